@@ -1,0 +1,25 @@
+"""flexsparse: hybrid sparse attention for long-context transformers on PyTorch FlexAttention."""
+
+from flexsparse import masks, reference
+from flexsparse.attention import AttentionStats, HybridAttention
+from flexsparse.masks import Causal, Geometry, Intersection, Pattern, PerHead, PerLayer, SinkWindow, Union
+from flexsparse.metrics import effective_sparsity_ratio, model_sparsity_ratio
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AttentionStats",
+    "Causal",
+    "Geometry",
+    "HybridAttention",
+    "Intersection",
+    "Pattern",
+    "PerHead",
+    "PerLayer",
+    "SinkWindow",
+    "Union",
+    "effective_sparsity_ratio",
+    "masks",
+    "model_sparsity_ratio",
+    "reference",
+]

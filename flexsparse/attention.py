@@ -1,0 +1,337 @@
+"""HybridAttention: every head of a layer in its own pattern, in one compiled flex_attention call.
+
+Per (geometry, device) each static pattern's BlockMask is built once; a call's mode tensor picks, for every
+(batch element, query head), the rows of its pattern's index tensors (:class:`BlockMaskStack`), and one
+dispatching mask_mod that captures the mode tensor resolves partial tiles. New modes are new tensor values in the
+same structure, so they never rebuild masks by scanning and never recompile.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from flexsparse.masks.base import Geometry, MaskMod, Pattern
+from flexsparse.masks.blocks import BlockMaskStack, block_density
+from flexsparse.masks.combine import _gather_heads, dispatch_mask_mod
+from flexsparse.metrics import effective_sparsity_ratio, model_sparsity_ratio
+
+Backend = Literal["auto", "flex", "flex_eager", "dense"]
+BACKENDS = ("auto", "flex", "flex_eager", "dense")
+_GEOMETRY_CACHE_SIZE = 8
+_compiled_flex_attention = None
+
+
+def compiled_flex_attention():
+    """The process-wide ``torch.compile``'d flex_attention (compiled once per shape/dtype/mask structure)."""
+    global _compiled_flex_attention
+    if _compiled_flex_attention is None:
+        _compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex_attention
+
+
+def run_flex(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMask, scale: float, kernel_options=None) -> Tensor:
+    """Compiled flex_attention; raises instead of silently running the unfused O(S^2) path after recompiles."""
+    kwargs = dict(block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    if kernel_options:
+        kwargs["kernel_options"] = kernel_options
+    if torch.compiler.is_compiling():  # inside the user's torch.compile: their graph fuses it
+        return flex_attention(q, k, v, **kwargs)
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        return compiled_flex_attention()(q, k, v, **kwargs)
+
+
+@dataclass
+class AttentionStats:
+    """Sparsity of the last call. Tensors (no host sync until read); ``as_dict`` gives floats."""
+
+    msr: Tensor
+    """Model sparsity ratio (Elastic Attention Eq. 4): fraction of (batch, kv head) rows in a sparse mode."""
+    esr: Tensor
+    """Effective sparsity ratio (Eq. 5): mean over heads of the fraction of causal (q, k) pairs pruned."""
+    block_density: Tensor
+    """Fraction of causal tiles the kernel computes."""
+
+    def as_dict(self) -> dict[str, float]:
+        return {"msr": float(self.msr), "esr": float(self.esr), "block_density": float(self.block_density)}
+
+
+@dataclass
+class _GeometryPlan:
+    """What a geometry needs, built once: per-pattern mask_mods and static BlockMasks, and their stack."""
+
+    geo: Geometry
+    mask_mods: list[MaskMod | None]
+    block_masks: list[BlockMask | None]
+    stack: BlockMaskStack | None
+
+
+def _as_pattern_dict(patterns: Mapping[str, Pattern] | Pattern) -> OrderedDict[str, Pattern]:
+    if isinstance(patterns, Pattern):
+        return OrderedDict(default=patterns)
+    if not isinstance(patterns, Mapping) or not patterns:
+        raise TypeError("patterns must be a Pattern or a non-empty mapping of name -> Pattern")
+    for name, p in patterns.items():
+        if not isinstance(name, str) or not isinstance(p, Pattern):
+            raise TypeError(f"patterns must map str -> Pattern, got {name!r} -> {type(p).__name__}")
+    return OrderedDict(patterns)
+
+
+class HybridAttention(nn.Module):
+    """Attention whose KV heads each run one of several patterns, in one flex_attention call.
+
+    Args:
+        num_heads: query heads H.
+        num_kv_heads: key/value heads (divides ``num_heads``; GQA groups of ``num_heads // num_kv_heads``).
+        head_dim: per-head dimension d.
+        patterns: a Pattern, or an ordered mapping name -> Pattern; a mode is an index into it.
+        modes: default mode per KV head (names or indices, length ``num_kv_heads``); all the first pattern if None.
+        block_size: BlockMask tile in tokens.
+        backend: "flex" (compiled flex_attention), "flex_eager" (uncompiled, small sizes, for debugging),
+            "dense" (masked SDPA on the dense pattern, small sizes; has a backward on CPU), or "auto":
+            flex, except on CPU when gradients are needed, where flex has no backward and dense is used.
+        kernel_options: passed to flex_attention (e.g. block sizes, warps, stages, TMA on Hopper).
+        max_dense_len: the longest q_len/kv_len the dense and flex_eager backends accept (they are O(S^2)).
+        scale: softmax scale, default ``head_dim ** -0.5``.
+
+    ``forward(q, k, v, modes=None)`` takes q ``[B, H, S_q, d]`` and k/v ``[B, H_kv, S_kv, d]`` (SDPA layout;
+    queries are the last ``S_q`` positions) and returns ``[B, H, S_q, d]``. ``modes`` overrides the default per
+    call: an int tensor ``[H_kv]`` or ``[B, H_kv]`` on q's device.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        patterns: Mapping[str, Pattern] | Pattern,
+        modes: Sequence[str | int] | Tensor | None = None,
+        *,
+        block_size: int = 128,
+        backend: Backend = "auto",
+        kernel_options: dict | None = None,
+        max_dense_len: int = 8192,
+        scale: float | None = None,
+    ) -> None:
+        super().__init__()
+        for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
+                            ("block_size", block_size), ("max_dense_len", max_dense_len)):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+            if value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.block_size, self.backend, self.max_dense_len = block_size, backend, max_dense_len
+        self.kernel_options = dict(kernel_options or {})
+        self.scale = head_dim**-0.5 if scale is None else float(scale)
+        self.patterns = _as_pattern_dict(patterns)
+        self.pattern_names = list(self.patterns)
+        self._pattern_list = list(self.patterns.values())
+        self.register_buffer("default_modes", self._modes_from_names(modes), persistent=False)
+        self._uniform_mode = self._single_mode(self.default_modes)
+        self._plans: OrderedDict[Geometry, _GeometryPlan] = OrderedDict()
+        self._last: tuple | None = None
+
+    # ----- modes -------------------------------------------------------------------------------------------
+
+    def _modes_from_names(self, modes: Sequence[str | int] | Tensor | None) -> Tensor:
+        if modes is None:
+            return torch.zeros(self.num_kv_heads, dtype=torch.long)
+        if isinstance(modes, Tensor):
+            return self._check_mode_tensor(modes, batch=None).cpu()
+        if isinstance(modes, (str, bytes)) or not isinstance(modes, Sequence):
+            raise TypeError(f"modes must be a sequence of pattern names/indices or a tensor, got {type(modes).__name__}")
+        if len(modes) != self.num_kv_heads:
+            raise ValueError(f"modes must have one entry per KV head ({self.num_kv_heads}), got {len(modes)}")
+        indices = []
+        for m in modes:
+            if isinstance(m, str):
+                if m not in self.patterns:
+                    raise ValueError(f"modes names unknown pattern {m!r}; known: {self.pattern_names}")
+                indices.append(self.pattern_names.index(m))
+            elif isinstance(m, int) and not isinstance(m, bool) and 0 <= m < len(self.patterns):
+                indices.append(m)
+            else:
+                raise ValueError(f"modes entries must be pattern names or indices < {len(self.patterns)}, got {m!r}")
+        return torch.tensor(indices, dtype=torch.long)
+
+    def set_modes(self, modes: Sequence[str | int] | Tensor) -> None:
+        """Change the default modes (per KV head)."""
+        self.default_modes = self._modes_from_names(modes).to(self.default_modes.device)
+        self._uniform_mode = self._single_mode(self.default_modes)
+
+    @staticmethod
+    def _single_mode(modes: Tensor) -> int | None:
+        """The one mode every head uses, or None (read on the host, once, when default modes are set)."""
+        values = modes.unique().tolist()
+        return values[0] if len(values) == 1 else None
+
+    def _check_mode_tensor(self, modes: Tensor, batch: int | None) -> Tensor:
+        if not isinstance(modes, Tensor):
+            raise TypeError(f"modes must be a tensor, got {type(modes).__name__}")
+        if modes.dtype.is_floating_point or modes.dtype.is_complex or modes.dtype == torch.bool:
+            raise TypeError(f"modes must be an integer tensor (indices into patterns), got {modes.dtype}")
+        if modes.dim() not in (1, 2) or modes.shape[-1] != self.num_kv_heads:
+            raise ValueError(f"modes must have shape [{self.num_kv_heads}] or [B, {self.num_kv_heads}] "
+                             f"(one per KV head), got {tuple(modes.shape)}")
+        if modes.dim() == 2 and batch is not None and modes.shape[0] not in (1, batch):
+            raise ValueError(f"modes has batch {modes.shape[0]}, inputs have batch {batch}")
+        in_range = (modes >= 0) & (modes < len(self.patterns))
+        if modes.device.type == "cpu":
+            if not bool(in_range.all()):
+                raise ValueError(f"modes must index the {len(self.patterns)} patterns, got {modes.tolist()}")
+        else:  # no host sync on the hot path: a device-side assert
+            torch._assert_async(in_range.all(), "flexsparse: modes out of range of the patterns")
+        return modes.long()
+
+    # ----- inputs ------------------------------------------------------------------------------------------
+
+    def _check_inputs(self, q: Tensor, k: Tensor, v: Tensor) -> None:
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, Tensor):
+                raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+            if t.dim() != 4:
+                raise ValueError(f"{name} must be 4-D [B, heads, seq, head_dim], got shape {tuple(t.shape)}")
+        if q.shape[1] != self.num_heads:
+            raise ValueError(f"q has {q.shape[1]} heads, expected num_heads={self.num_heads}")
+        for name, t in (("k", k), ("v", v)):
+            if t.shape[1] != self.num_kv_heads:
+                raise ValueError(f"{name} has {t.shape[1]} heads, expected num_kv_heads={self.num_kv_heads}")
+            if t.device != q.device:
+                raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+            if t.dtype != q.dtype:
+                raise TypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}")
+            if t.shape[0] != q.shape[0]:
+                raise ValueError(f"{name} has batch {t.shape[0]}, q has batch {q.shape[0]}")
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if t.shape[-1] != self.head_dim:
+                raise ValueError(f"{name} has head_dim {t.shape[-1]}, expected {self.head_dim}")
+        if k.shape[2] != v.shape[2]:
+            raise ValueError(f"k and v lengths differ: {k.shape[2]} vs {v.shape[2]}")
+        if q.shape[2] > k.shape[2]:
+            raise ValueError(f"q_len ({q.shape[2]}) exceeds kv_len ({k.shape[2]}): queries are the last positions")
+        if not q.dtype.is_floating_point:
+            raise TypeError(f"q must be floating point, got {q.dtype}")
+
+    def _choose_backend(self, q: Tensor, k: Tensor, v: Tensor) -> str:
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        backend = self.backend
+        if backend == "auto":
+            backend = "dense" if (q.device.type == "cpu" and needs_grad) else "flex"
+        if backend == "flex" and q.device.type == "cpu" and needs_grad:
+            raise ValueError("backend='flex' has no backward on CPU (flex_attention is forward-only there); "
+                             "use backend='dense' or 'auto' for CPU training")
+        if backend in ("dense", "flex_eager") and max(q.shape[2], k.shape[2]) > self.max_dense_len:
+            raise ValueError(f"backend={backend!r} materialises S x S scores; sequence length {k.shape[2]} exceeds "
+                             f"max_dense_len={self.max_dense_len}. Use backend='flex' (compiled) for long inputs")
+        return backend
+
+    # ----- masks -------------------------------------------------------------------------------------------
+
+    def _plan(self, geo: Geometry) -> _GeometryPlan:
+        plan = self._plans.get(geo)
+        if plan is not None:
+            self._plans.move_to_end(geo)
+            return plan
+        static = [not p.is_dynamic for p in self._pattern_list]
+        mask_mods = [p.mask_mod(geo) if s else None for p, s in zip(self._pattern_list, static)]
+        block_masks = [p.block_mask(geo) if s else None for p, s in zip(self._pattern_list, static)]
+        stack = BlockMaskStack.from_masks(block_masks, geo.num_heads) if all(static) else None
+        plan = _GeometryPlan(geo, mask_mods, block_masks, stack)
+        self._plans[geo] = plan
+        if len(self._plans) > _GEOMETRY_CACHE_SIZE:
+            self._plans.popitem(last=False)
+        return plan
+
+    def _resolved(self, plan: _GeometryPlan, q: Tensor, k: Tensor, only: int | None) -> tuple[list, list, list]:
+        """Patterns, mask_mods and BlockMasks for this call (content-dependent patterns resolved on q/k).
+
+        With ``only`` set, content-dependent patterns other than that one are not resolved (not used).
+        """
+        patterns, mods, masks = [], [], []
+        for index, (p, mod, mask) in enumerate(zip(self._pattern_list, plan.mask_mods, plan.block_masks)):
+            if p.is_dynamic and only is not None and only != index:
+                p = None  # never selected in this call
+            elif p.is_dynamic:
+                p = p.resolve(q, k)
+                mod, mask = p.mask_mod(plan.geo), p.block_mask(plan.geo)
+            patterns.append(p)
+            mods.append(mod)
+            masks.append(mask)
+        return patterns, mods, masks
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, modes: Tensor | None = None,
+                scale: float | None = None) -> Tensor:
+        self._check_inputs(q, k, v)
+        backend = self._choose_backend(q, k, v)
+        batch = q.shape[0]
+        if modes is None:
+            kv_modes = self.default_modes.to(q.device)
+            static_modes = True
+        else:
+            kv_modes = self._check_mode_tensor(modes, batch)
+            if kv_modes.device != q.device:
+                raise ValueError(f"modes is on {kv_modes.device} but q is on {q.device}")
+            static_modes = False
+        if kv_modes.dim() == 1:
+            kv_modes = kv_modes[None]
+        head_modes = kv_modes.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)  # [B or 1, H]
+        scale = self.scale if scale is None else float(scale)
+        geo = Geometry(self.num_heads, q.shape[2], k.shape[2], self.block_size, q.device)
+        plan = self._plan(geo)
+        uniform = self._uniform_mode if static_modes else None
+        patterns, mods, masks = self._resolved(plan, q, k, only=None if backend == "dense" else uniform)
+        self._last = (geo, patterns, head_modes)
+
+        if backend == "dense":
+            mask = _gather_heads([p.dense(geo) for p in patterns], head_modes)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                                  enable_gqa=self.num_heads != self.num_kv_heads)
+        if uniform is not None:  # one pattern for the whole layer: run it alone, no dispatch
+            block_mask = masks[uniform]
+        else:
+            stack = plan.stack or BlockMaskStack.from_masks(masks, geo.num_heads)
+            block_mask = stack.select(head_modes, dispatch_mask_mod(mods, head_modes))
+        self._last = (geo, patterns, head_modes, block_mask)
+        if backend == "flex_eager":
+            return flex_attention(q, k, v, block_mask=block_mask, scale=scale,
+                                  enable_gqa=self.num_heads != self.num_kv_heads)
+        return run_flex(q, k, v, block_mask, scale, self.kernel_options)
+
+    @property
+    def last_stats(self) -> AttentionStats:
+        """MSR, ESR and block density of the last call (computed when read)."""
+        if self._last is None:
+            raise RuntimeError("last_stats is available after a forward call")
+        geo, patterns, head_modes = self._last[:3]
+        sparse = torch.tensor([p is not None and not p.is_full for p in patterns], device=head_modes.device)
+        unused = torch.zeros(1, 1, 1, dtype=torch.long, device=geo.device)
+        attended = _gather_heads(
+            [unused if p is None else p.attended(geo).sum(-1, keepdim=True) for p in patterns], head_modes
+        )
+        causal_pairs = (geo.q_positions() + 1).sum()
+        if len(self._last) > 3:
+            density = block_density(self._last[3], geo)
+        else:
+            density = torch.tensor(float("nan"))
+        return AttentionStats(
+            msr=model_sparsity_ratio(sparse[head_modes]),
+            esr=effective_sparsity_ratio(attended[..., 0], causal_pairs),
+            block_density=density,
+        )
+
+    def extra_repr(self) -> str:
+        modes = [self.pattern_names[i] for i in self.default_modes.tolist()]
+        return (f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+                f"patterns={dict(self.patterns)}, modes={modes}, backend={self.backend!r}")

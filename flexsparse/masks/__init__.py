@@ -1,0 +1,25 @@
+"""Attention patterns: composable FlexAttention mask_mod / BlockMask generators with dense references."""
+
+from flexsparse.masks.base import EMPTY, FULL, PARTIAL, Geometry, MaskMod, Pattern
+from flexsparse.masks.blocks import BlockMaskStack, block_density, block_mask_from_classes
+from flexsparse.masks.combine import Intersection, PerHead, PerLayer, Union, dispatch_mask_mod
+from flexsparse.masks.window import Causal, SinkWindow
+
+__all__ = [
+    "EMPTY",
+    "FULL",
+    "PARTIAL",
+    "BlockMaskStack",
+    "Causal",
+    "Geometry",
+    "Intersection",
+    "MaskMod",
+    "Pattern",
+    "PerHead",
+    "PerLayer",
+    "SinkWindow",
+    "Union",
+    "block_density",
+    "block_mask_from_classes",
+    "dispatch_mask_mod",
+]

@@ -1,0 +1,102 @@
+"""BlockMasks from block classes, and per-head composition of several BlockMasks by a mode tensor.
+
+Composition never rescans (q, kv) pairs: each mode's BlockMask is built once per geometry, its index tensors
+(including the transposed ones the backward pass needs) are stacked, and a per-call mode tensor picks rows with
+one gather. Every head's rows are independent, so gathering whole rows keeps all eight index tensors consistent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask
+
+from flexsparse.masks.base import FULL, PARTIAL, Geometry, MaskMod
+
+_INDEX_FIELDS = (
+    "kv_num_blocks",
+    "kv_indices",
+    "full_kv_num_blocks",
+    "full_kv_indices",
+    "q_num_blocks",
+    "q_indices",
+    "full_q_num_blocks",
+    "full_q_indices",
+)
+
+
+def _rows_to_indices(selected: Tensor) -> tuple[Tensor, Tensor]:
+    """Boolean ``[..., N]`` -> (count int32 ``[...]``, indices int32 ``[..., N]`` with selected ones first, in order)."""
+    count = selected.sum(-1, dtype=torch.int32)
+    order = torch.argsort((~selected).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    return count, order
+
+
+def block_mask_from_classes(classes: Tensor, geo: Geometry, mask_mod: MaskMod) -> BlockMask:
+    """BlockMask from int8 block classes ``[B', H', QB, KB]``; full blocks go to the full-block tensors."""
+    if classes.shape[-2:] != (geo.num_q_blocks, geo.num_kv_blocks):
+        raise ValueError(
+            f"block classes of shape {tuple(classes.shape)} do not match "
+            f"{geo.num_q_blocks} query blocks x {geo.num_kv_blocks} key blocks"
+        )
+    kv_num, kv_idx = _rows_to_indices(classes == PARTIAL)
+    full_num, full_idx = _rows_to_indices(classes == FULL)
+    return BlockMask.from_kv_blocks(
+        kv_num,
+        kv_idx,
+        full_num,
+        full_idx,
+        BLOCK_SIZE=geo.block_size,
+        mask_mod=mask_mod,
+        seq_lengths=(geo.q_len, geo.kv_len),
+    )
+
+
+@dataclass
+class BlockMaskStack:
+    """The index tensors of M BlockMasks of one geometry, stacked to ``[M, B', H, ...]`` for per-head selection."""
+
+    tensors: dict[str, Tensor]
+    seq_lengths: tuple[int, int]
+    block_size: tuple[int, int]
+
+    @classmethod
+    def from_masks(cls, masks: list[BlockMask], num_heads: int) -> BlockMaskStack:
+        """Stack masks whose index tensors are ``[B', 1 or num_heads, ...]`` (B' equal, or 1)."""
+        batch = max(m.kv_num_blocks.shape[0] for m in masks)
+        tensors = {}
+        for name in _INDEX_FIELDS:
+            parts = []
+            for m in masks:
+                t = getattr(m, name)
+                parts.append(t.expand(batch, num_heads, *t.shape[2:]))
+            tensors[name] = torch.stack(parts).contiguous()
+        return cls(tensors, tuple(masks[0].seq_lengths), tuple(masks[0].BLOCK_SIZE))
+
+    def select(self, modes: Tensor, mask_mod: MaskMod) -> BlockMask:
+        """BlockMask whose row (b, h) is row (b, h) of mask ``modes[b, h]``; ``modes`` is int ``[B, H]``."""
+        stacked_batch = self.tensors["kv_num_blocks"].shape[1]
+        batch, heads = modes.shape
+        b_index = torch.arange(batch, device=modes.device)[:, None]
+        if stacked_batch == 1:
+            b_index = torch.zeros_like(b_index)
+        h_index = torch.arange(heads, device=modes.device)[None, :]
+        picked = {name: t[modes, b_index, h_index] for name, t in self.tensors.items()}
+        return BlockMask(
+            seq_lengths=self.seq_lengths,
+            BLOCK_SIZE=self.block_size,
+            mask_mod=mask_mod,
+            **picked,
+        )
+
+
+def block_density(mask: BlockMask, geo: Geometry) -> Tensor:
+    """Fraction of the causal (query block, key block) tiles that the mask computes; float32 scalar tensor."""
+    computed = mask.kv_num_blocks.sum(dtype=torch.float32) + mask.full_kv_num_blocks.sum(dtype=torch.float32)
+    q_lo, q_hi = geo.q_block_bounds()
+    kv_lo, _ = geo.kv_block_bounds()
+    causal_tiles = (kv_lo <= q_hi - 1).sum(dtype=torch.float32)
+    rows = mask.kv_num_blocks.shape[0] * mask.kv_num_blocks.shape[1]
+    return computed / (causal_tiles * rows)

@@ -1,0 +1,190 @@
+"""Combinators: union, intersection, per-head selection and per-layer selection of patterns.
+
+Each combinator is itself a :class:`Pattern`, so combinations nest and keep all four capabilities.
+Block classes combine conservatively: a tile is FULL only when that is certain from the parts' classes and
+PARTIAL otherwise, so the kernel evaluates ``mask_mod`` wherever the parts disagree. That is always exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask
+
+from flexsparse.masks.base import EMPTY, FULL, Geometry, MaskMod, Pattern, classify
+from flexsparse.masks.blocks import BlockMaskStack
+
+
+def _check_patterns(patterns: Sequence[Pattern], what: str) -> tuple[Pattern, ...]:
+    patterns = tuple(patterns)
+    if not patterns:
+        raise ValueError(f"{what} needs at least one pattern")
+    for p in patterns:
+        if not isinstance(p, Pattern):
+            raise TypeError(f"{what} takes Pattern instances, got {type(p).__name__}")
+    return patterns
+
+
+class Union(Pattern):
+    """A query attends a key if any part lets it."""
+
+    name = "union"
+
+    def __init__(self, *parts: Pattern) -> None:
+        self.parts = _check_patterns(parts, "Union")
+        self.is_full = any(p.is_full for p in self.parts)
+
+    def __repr__(self) -> str:
+        return " | ".join(map(repr, self.parts))
+
+    def mask_mod(self, geo: Geometry) -> MaskMod:
+        mods = [p.mask_mod(geo) for p in self.parts]
+
+        def union_mask(b, h, q_idx, kv_idx):
+            result = mods[0](b, h, q_idx, kv_idx)
+            for mod in mods[1:]:
+                result = result | mod(b, h, q_idx, kv_idx)
+            return result
+
+        return union_mask
+
+    def block_classes(self, geo: Geometry) -> Tensor:
+        classes = torch.broadcast_tensors(*[p.block_classes(geo) for p in self.parts])
+        stacked = torch.stack(classes)
+        return classify(full=(stacked == FULL).any(0), empty=(stacked == EMPTY).all(0))
+
+    def dense(self, geo: Geometry) -> Tensor:
+        result = self.parts[0].dense(geo)
+        for p in self.parts[1:]:
+            result = result | p.dense(geo)
+        return result
+
+
+class Intersection(Pattern):
+    """A query attends a key if every part lets it."""
+
+    name = "intersection"
+
+    def __init__(self, *parts: Pattern) -> None:
+        self.parts = _check_patterns(parts, "Intersection")
+        self.is_full = all(p.is_full for p in self.parts)
+
+    def __repr__(self) -> str:
+        return " & ".join(map(repr, self.parts))
+
+    def mask_mod(self, geo: Geometry) -> MaskMod:
+        mods = [p.mask_mod(geo) for p in self.parts]
+
+        def intersection_mask(b, h, q_idx, kv_idx):
+            result = mods[0](b, h, q_idx, kv_idx)
+            for mod in mods[1:]:
+                result = result & mod(b, h, q_idx, kv_idx)
+            return result
+
+        return intersection_mask
+
+    def block_classes(self, geo: Geometry) -> Tensor:
+        classes = torch.broadcast_tensors(*[p.block_classes(geo) for p in self.parts])
+        stacked = torch.stack(classes)
+        return classify(full=(stacked == FULL).all(0), empty=(stacked == EMPTY).any(0))
+
+    def dense(self, geo: Geometry) -> Tensor:
+        result = self.parts[0].dense(geo)
+        for p in self.parts[1:]:
+            result = result & p.dense(geo)
+        return result
+
+
+def dispatch_mask_mod(mask_mods: Sequence[MaskMod], modes: Tensor) -> MaskMod:
+    """One mask_mod that runs ``mask_mods[modes[b, h]]`` for row (b, h); ``modes`` int ``[B, H]`` (B may be 1).
+
+    ``modes`` is captured as a tensor: a new mode tensor of the same shape does not recompile.
+    """
+    per_batch = modes.shape[0] > 1
+    mods = tuple(mask_mods)
+
+    def per_head_mask(b, h, q_idx, kv_idx):
+        mode = modes[b, h] if per_batch else modes[0, h]
+        result = mods[0](b, h, q_idx, kv_idx)
+        for index in range(1, len(mods)):
+            result = torch.where(mode == index, mods[index](b, h, q_idx, kv_idx), result)
+        return result
+
+    return per_head_mask
+
+
+def _gather_heads(per_pattern: list[Tensor], modes: Tensor) -> Tensor:
+    """Row (b, h) of ``per_pattern[modes[b, h]]``; each entry ``[B', H', ...]``, result ``[B, H, ...]``."""
+    batch, heads = modes.shape
+    b_max = max(max(t.shape[0] for t in per_pattern), batch)
+    stacked = torch.stack([t.expand(b_max, heads, *t.shape[2:]) for t in per_pattern])
+    b_index = torch.arange(b_max, device=modes.device)[:, None]
+    return stacked[modes.expand(b_max, heads), b_index, torch.arange(heads, device=modes.device)]
+
+
+class PerHead(Pattern):
+    """Head h (of batch element b) follows ``patterns[modes[h]]`` (or ``modes[b, h]``)."""
+
+    name = "per_head"
+
+    def __init__(self, patterns: Sequence[Pattern], modes: Sequence[int] | Tensor) -> None:
+        self.patterns = _check_patterns(patterns, "PerHead")
+        modes = torch.as_tensor(modes)
+        if modes.dtype.is_floating_point or modes.dtype == torch.bool:
+            raise TypeError(f"modes must be an integer tensor, got {modes.dtype}")
+        if modes.dim() == 1:
+            modes = modes[None]
+        if modes.dim() != 2:
+            raise ValueError(f"modes must be [H] or [B, H], got shape {tuple(modes.shape)}")
+        if modes.numel() and (modes.min() < 0 or modes.max() >= len(self.patterns)):
+            raise ValueError(f"modes must index the {len(self.patterns)} patterns, got values {modes.unique().tolist()}")
+        self.modes = modes.long()
+        self.is_full = all(self.patterns[i].is_full for i in self.modes.unique().tolist())
+
+    def __repr__(self) -> str:
+        return f"PerHead({list(self.patterns)!r}, modes={self.modes.tolist()})"
+
+    def _modes_for(self, geo: Geometry) -> Tensor:
+        if self.modes.shape[1] != geo.num_heads:
+            raise ValueError(f"PerHead has modes for {self.modes.shape[1]} heads, geometry has {geo.num_heads}")
+        return self.modes.to(geo.device)
+
+    def mask_mod(self, geo: Geometry) -> MaskMod:
+        return dispatch_mask_mod([p.mask_mod(geo) for p in self.patterns], self._modes_for(geo))
+
+    def block_classes(self, geo: Geometry) -> Tensor:
+        return _gather_heads([p.block_classes(geo) for p in self.patterns], self._modes_for(geo))
+
+    def block_mask(self, geo: Geometry) -> BlockMask:
+        stack = BlockMaskStack.from_masks([p.block_mask(geo) for p in self.patterns], geo.num_heads)
+        return stack.select(self._modes_for(geo), self.mask_mod(geo))
+
+    def dense(self, geo: Geometry) -> Tensor:
+        return _gather_heads([p.dense(geo) for p in self.patterns], self._modes_for(geo))
+
+    def attended(self, geo: Geometry) -> Tensor:
+        return _gather_heads([p.attended(geo) for p in self.patterns], self._modes_for(geo))
+
+
+class PerLayer(Sequence):
+    """Layer l of a stack follows ``patterns[modes[l]]``; indexing gives that layer's pattern."""
+
+    def __init__(self, patterns: Sequence[Pattern], modes: Sequence[int]) -> None:
+        self.patterns = _check_patterns(patterns, "PerLayer")
+        self.modes = [int(m) for m in modes]
+        if not self.modes:
+            raise ValueError("PerLayer needs at least one layer mode")
+        bad = [m for m in self.modes if not 0 <= m < len(self.patterns)]
+        if bad:
+            raise ValueError(f"layer modes must index the {len(self.patterns)} patterns, got {bad}")
+
+    def __len__(self) -> int:
+        return len(self.modes)
+
+    def __getitem__(self, layer: int) -> Pattern:
+        return self.patterns[self.modes[layer]]
+
+    def __repr__(self) -> str:
+        return f"PerLayer({list(self.patterns)!r}, modes={self.modes})"
