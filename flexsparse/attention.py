@@ -44,8 +44,20 @@ def run_flex(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMask, scale: floa
         kwargs["kernel_options"] = kernel_options
     if torch.compiler.is_compiling():  # inside the user's torch.compile: their graph fuses it
         return flex_attention(q, k, v, **kwargs)
-    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
-        return compiled_flex_attention()(q, k, v, **kwargs)
+    try:
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            return compiled_flex_attention()(q, k, v, **kwargs)
+    except torch._dynamo.exc.FailOnRecompileLimitHit as err:
+        raise RecompileLimitError(
+            "flex_attention reached torch._dynamo's recompile limit "
+            f"({torch._dynamo.config.recompile_limit}); flexsparse refuses the unfused fallback that materialises "
+            "the S x S score matrix. Recompiles come from new sequence lengths, dtypes, head dims or pattern sets: "
+            "bucket sequence lengths to the block size or raise torch._dynamo.config.recompile_limit."
+        ) from err
+
+
+class RecompileLimitError(RuntimeError):
+    """Compiled flex_attention would fall back to the unfused O(S^2) path."""
 
 
 @dataclass
