@@ -8,6 +8,7 @@ same structure, so they never rebuild masks by scanning and never recompile.
 
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -283,42 +284,51 @@ class HybridAttention(nn.Module):
             masks.append(mask)
         return patterns, mods, masks
 
+    def _head_modes(self, q: Tensor, modes: Tensor | None) -> Tensor:
+        """Per query-head modes ``[B or 1, H]`` on q's device, from per-call or default per-KV-head modes."""
+        if modes is None:
+            kv_modes = self.default_modes.to(q.device)
+        else:
+            kv_modes = self._check_mode_tensor(modes, q.shape[0])
+            if kv_modes.device != q.device:
+                raise ValueError(f"modes is on {kv_modes.device} but q is on {q.device}")
+        if kv_modes.dim() == 1:
+            kv_modes = kv_modes[None]
+        return kv_modes.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
+
+    def reference_mask(self, q: Tensor, k: Tensor, modes: Tensor | None = None) -> Tensor:
+        """The dense boolean mask ``[B or 1, H, S_q, S_kv]`` this layer applies to q/k (small sizes only)."""
+        head_modes = self._head_modes(q, modes)
+        geo = Geometry(self.num_heads, q.shape[2], k.shape[2], self.block_size, q.device)
+        patterns = [p.resolve(q, k) for p in self._pattern_list]
+        return _gather_heads([p.dense(geo) for p in patterns], head_modes)
+
     def forward(self, q: Tensor, k: Tensor, v: Tensor, modes: Tensor | None = None,
                 scale: float | None = None) -> Tensor:
         self._check_inputs(q, k, v)
         backend = self._choose_backend(q, k, v)
-        batch = q.shape[0]
-        if modes is None:
-            kv_modes = self.default_modes.to(q.device)
-            static_modes = True
-        else:
-            kv_modes = self._check_mode_tensor(modes, batch)
-            if kv_modes.device != q.device:
-                raise ValueError(f"modes is on {kv_modes.device} but q is on {q.device}")
-            static_modes = False
-        if kv_modes.dim() == 1:
-            kv_modes = kv_modes[None]
-        head_modes = kv_modes.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)  # [B or 1, H]
+        head_modes = self._head_modes(q, modes)
         scale = self.scale if scale is None else float(scale)
+        if backend == "dense":
+            geo = Geometry(self.num_heads, q.shape[2], k.shape[2], self.block_size, q.device)
+            self._last = (geo, [p.resolve(q, k) for p in self._pattern_list], head_modes, None)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=self.reference_mask(q, k, modes), scale=scale,
+                                                  enable_gqa=self.num_heads != self.num_kv_heads)
         geo = Geometry(self.num_heads, q.shape[2], k.shape[2], self.block_size, q.device)
         plan = self._plan(geo)
-        uniform = self._uniform_mode if static_modes else None
-        patterns, mods, masks = self._resolved(plan, q, k, only=None if backend == "dense" else uniform)
-        self._last = (geo, patterns, head_modes)
-
-        if backend == "dense":
-            mask = _gather_heads([p.dense(geo) for p in patterns], head_modes)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
-                                                  enable_gqa=self.num_heads != self.num_kv_heads)
+        uniform = self._uniform_mode if modes is None else None
+        patterns, mods, masks = self._resolved(plan, q, k, only=uniform)
         if uniform is not None:  # one pattern for the whole layer: run it alone, no dispatch
             block_mask = masks[uniform]
         else:
             stack = plan.stack or BlockMaskStack.from_masks(masks, geo.num_heads)
             block_mask = stack.select(head_modes, dispatch_mask_mod(mods, head_modes))
         self._last = (geo, patterns, head_modes, block_mask)
-        if backend == "flex_eager":
-            return flex_attention(q, k, v, block_mask=block_mask, scale=scale,
-                                  enable_gqa=self.num_heads != self.num_kv_heads)
+        if backend == "flex_eager":  # chosen explicitly and bounded by max_dense_len: silence torch's warning
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile")
+                return flex_attention(q, k, v, block_mask=block_mask, scale=scale,
+                                      enable_gqa=self.num_heads != self.num_kv_heads)
         return run_flex(q, k, v, block_mask, scale, self.kernel_options)
 
     @property
@@ -326,21 +336,20 @@ class HybridAttention(nn.Module):
         """MSR, ESR and block density of the last call (computed when read)."""
         if self._last is None:
             raise RuntimeError("last_stats is available after a forward call")
-        geo, patterns, head_modes = self._last[:3]
+        geo, patterns, head_modes, block_mask = self._last
+        if block_mask is None:  # the dense backend ran: compose the tiles it would have computed
+            masks = [p.block_mask(geo) for p in patterns]
+            block_mask = BlockMaskStack.from_masks(masks, geo.num_heads).select(head_modes, masks[0].mask_mod)
         sparse = torch.tensor([p is not None and not p.is_full for p in patterns], device=head_modes.device)
         unused = torch.zeros(1, 1, 1, dtype=torch.long, device=geo.device)
         attended = _gather_heads(
             [unused if p is None else p.attended(geo).sum(-1, keepdim=True) for p in patterns], head_modes
         )
         causal_pairs = (geo.q_positions() + 1).sum()
-        if len(self._last) > 3:
-            density = block_density(self._last[3], geo)
-        else:
-            density = torch.tensor(float("nan"))
         return AttentionStats(
             msr=model_sparsity_ratio(sparse[head_modes]),
             esr=effective_sparsity_ratio(attended[..., 0], causal_pairs),
-            block_density=density,
+            block_density=block_density(block_mask, geo),
         )
 
     def extra_repr(self) -> str:
