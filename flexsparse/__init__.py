@@ -2,7 +2,7 @@
 
 from flexsparse import masks, reference
 from flexsparse.attention import AttentionStats, HybridAttention
-from flexsparse.masks import Causal, Geometry, Intersection, Pattern, PerHead, PerLayer, SinkWindow, Union
+from flexsparse.masks import ESA, Causal, Geometry, Intersection, Pattern, PerHead, PerLayer, SinkWindow, Union
 from flexsparse.metrics import effective_sparsity_ratio, model_sparsity_ratio
 
 __version__ = "0.1.0"
@@ -10,6 +10,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AttentionStats",
     "Causal",
+    "ESA",
     "Geometry",
     "HybridAttention",
     "Intersection",

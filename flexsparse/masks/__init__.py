@@ -3,6 +3,7 @@
 from flexsparse.masks.base import EMPTY, FULL, PARTIAL, Geometry, MaskMod, Pattern
 from flexsparse.masks.blocks import BlockMaskStack, block_density, block_mask_from_classes
 from flexsparse.masks.combine import Intersection, PerHead, PerLayer, Union, dispatch_mask_mod
+from flexsparse.masks.esa import ESA
 from flexsparse.masks.window import Causal, SinkWindow
 
 __all__ = [
@@ -11,6 +12,7 @@ __all__ = [
     "PARTIAL",
     "BlockMaskStack",
     "Causal",
+    "ESA",
     "Geometry",
     "Intersection",
     "MaskMod",

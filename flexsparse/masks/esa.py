@@ -1,0 +1,144 @@
+"""ESA: Elastic Sparse Attention, depth-interpolated dilation with per-head shifts (seed 004).
+
+For layer l of L, ``alpha = l / (L - 1)`` (0 when L = 1). Query i (absolute position) attends ``attn_length`` = w
+keys. With ``n = max(w, i + 1)`` (the authors' ``end_ids + 1``):
+
+* start ``s = round((n - w)(1 - alpha))``: the authors compute ``round(n - D_i)`` with span
+  ``D_i = w(1 - alpha) + n * alpha``; note they use ``n``, not ``i + 1``, so queries i < w see span w.
+* ``window = n - s`` and base indices ``base_j = s + round(j * window / w)`` for j = 0..w (spacing window / w);
+* head h of H takes ``round(base_j * (1 - t) + (base_{j+1} - 1) * t)`` with ``t = h / (H - 1)`` (0 when H = 1):
+  head 0 the base set, the last head the set shifted by -1;
+* keys > i are masked (causal).
+
+This follows HighCWu/elastic-sparse-attention's index code, which differs from the paper's prose in using
+``n = max(w, i + 1)`` for the span. Every ``round`` is round-half-to-even like ``torch.round``, but computed on
+exact rationals in integer arithmetic instead of the authors' float32; the two agree on the paper's
+configurations (tests compare them). No clamping is needed: ``0 <= s`` and every index lies in ``[s, n - 1]``.
+No duplicates arise: the spacing is >= 1, so the bases strictly increase, and head h's j-th index lies in
+``[base_j, base_{j+1} - 1]``, so each query's w indices are distinct (the authors' kernels would count a duplicate
+twice; none exists). Indices are int32 inside ``mask_mod``, so ``kv_len * max(w, H, L)`` must stay below 2**31.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from flexsparse.masks.base import Geometry, MaskMod, Pattern, classify
+
+_INT32_LIMIT = 2**31 - 1
+_QUERY_CHUNK = 4096
+
+
+def round_half_even_div(num: Tensor, den: int | Tensor) -> Tensor:
+    """``round(num / den)`` for integers num and den > 0, ties to even, exactly."""
+    quotient = torch.div(num, den, rounding_mode="floor")
+    twice_rest = 2 * (num - quotient * den)
+    round_up = (twice_rest > den) | ((twice_rest == den) & (quotient % 2 == 1))
+    return quotient + round_up.to(quotient.dtype)
+
+
+class ESA(Pattern):
+    """Elastic Sparse Attention for layer ``layer_idx`` of ``num_layers``, ``num_heads`` query heads."""
+
+    name = "esa"
+
+    def __init__(self, layer_idx: int, num_layers: int, attn_length: int, num_heads: int) -> None:
+        for arg, value, minimum in (("num_layers", num_layers, 1), ("attn_length", attn_length, 1),
+                                    ("num_heads", num_heads, 1), ("layer_idx", layer_idx, 0)):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"{arg} must be an int, got {type(value).__name__}")
+            if value < minimum:
+                raise ValueError(f"{arg} must be >= {minimum}, got {value}")
+        if layer_idx >= num_layers:
+            raise ValueError(f"layer_idx must be in [0, num_layers={num_layers}), got {layer_idx}")
+        self.layer_idx, self.num_layers = layer_idx, num_layers
+        self.attn_length, self.num_heads = attn_length, num_heads
+
+    def __repr__(self) -> str:
+        return (f"ESA(layer_idx={self.layer_idx}, num_layers={self.num_layers}, "
+                f"attn_length={self.attn_length}, num_heads={self.num_heads})")
+
+    def _check(self, geo: Geometry) -> None:
+        if geo.num_heads != self.num_heads:
+            raise ValueError(f"ESA was built for num_heads={self.num_heads}, the geometry has {geo.num_heads} heads")
+        if geo.kv_len * max(self.attn_length, self.num_heads, self.num_layers) > _INT32_LIMIT:
+            raise ValueError(f"kv_len * max(attn_length, num_heads, num_layers) must be < 2**31 for ESA, "
+                             f"got kv_len={geo.kv_len}")
+
+    def _start_and_window(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """Start s and window n - s for absolute query positions (any int tensor)."""
+        w = self.attn_length
+        denominator = max(self.num_layers - 1, 1)
+        n = torch.clamp(positions + 1, min=w)
+        start = round_half_even_div((n - w) * (denominator - self.layer_idx), denominator)
+        return start, n - start
+
+    def _index(self, start: Tensor, window: Tensor, j: Tensor, head: Tensor) -> Tensor:
+        """Key index of slot j for a head (all broadcast int tensors)."""
+        w, heads = self.attn_length, self.num_heads
+        base = start + round_half_even_div(j * window, w)
+        if heads == 1:
+            return base
+        shifted = start + round_half_even_div((j + 1) * window, w) - 1
+        return round_half_even_div(base * (heads - 1 - head) + shifted * head, heads - 1)
+
+    def indices(self, positions: Tensor) -> Tensor:
+        """Key indices ``[H, len(positions), w]`` (int64) of the given absolute query positions, before masking."""
+        start, window = (t[None, :, None] for t in self._start_and_window(positions.long()))
+        j = torch.arange(self.attn_length, device=positions.device)[None, None, :]
+        head = torch.arange(self.num_heads, device=positions.device)[:, None, None]
+        return self._index(start, window, j, head)
+
+    def mask_mod(self, geo: Geometry) -> MaskMod:
+        self._check(geo)
+        offset, w = geo.offset, self.attn_length
+
+        def esa_mask(b, h, q_idx, kv_idx):
+            q_pos = q_idx + offset
+            start, window = self._start_and_window(q_pos)
+            # The slot j whose interval [base_j, base_{j+1} - 1] holds kv_idx is within 1 of this estimate.
+            estimate = torch.div((kv_idx - start) * w, window, rounding_mode="floor")
+            hit = torch.zeros_like(kv_idx, dtype=torch.bool)
+            for delta in (-1, 0, 1):
+                j = torch.clamp(estimate + delta, 0, w - 1)
+                hit = hit | (self._index(start, window, j, h) == kv_idx)
+            return hit & (kv_idx <= q_pos)
+
+        return esa_mask
+
+    def _chunks(self, geo: Geometry):
+        """(query rows, their absolute positions, key indices [H, rows, w], causal-valid [H, rows, w]) chunks."""
+        self._check(geo)
+        for first in range(0, geo.q_len, _QUERY_CHUNK):
+            rows = torch.arange(first, min(first + _QUERY_CHUNK, geo.q_len), device=geo.device)
+            positions = rows + geo.offset
+            index = self.indices(positions)
+            yield rows, positions, index, index <= positions[None, :, None]
+
+    def block_classes(self, geo: Geometry) -> Tensor:
+        """Count attended pairs per tile in O(H * Q * w); a tile is full when every pair in it is attended."""
+        bs, nkb = geo.block_size, geo.num_kv_blocks
+        counts = torch.zeros(self.num_heads, geo.num_q_blocks * nkb, dtype=torch.int64, device=geo.device)
+        for rows, _, index, valid in self._chunks(geo):
+            tile = (rows // bs)[None, :, None] * nkb + index // bs
+            counts.scatter_add_(1, tile.masked_fill(~valid, 0).flatten(1), valid.flatten(1).long())
+        counts = counts.view(self.num_heads, geo.num_q_blocks, nkb)
+        q_lo, q_hi = geo.q_block_bounds()
+        kv_lo, kv_hi = geo.kv_block_bounds()
+        pairs = (q_hi - q_lo) * (kv_hi - kv_lo)
+        full = (counts == pairs) & (kv_hi - 1 <= q_lo)
+        return classify(full=full, empty=counts == 0)[None]
+
+    def dense(self, geo: Geometry) -> Tensor:
+        geo.dense_grid()  # size check
+        mask = torch.zeros(self.num_heads, geo.q_len, geo.kv_len, dtype=torch.bool, device=geo.device)
+        for rows, _, index, valid in self._chunks(geo):
+            head = torch.arange(self.num_heads, device=geo.device)[:, None, None].expand_as(index)
+            row = rows[None, :, None].expand_as(index)
+            mask[head[valid], row[valid], index[valid]] = True
+        return mask[None]
+
+    def attended(self, geo: Geometry) -> Tensor:
+        return torch.cat([valid.sum(-1) for _, _, _, valid in self._chunks(geo)], dim=1)[None]
+
