@@ -54,3 +54,22 @@ def assert_pattern_consistent(pattern: Pattern, geo: Geometry, batch: int = 1) -
 
 def _first_diff(a: Tensor, b: Tensor) -> tuple[int, ...]:
     return tuple(int(i) for i in (a != b).nonzero()[0])
+
+
+def runs_to_rows(first: Tensor, last: Tensor, kv_len: int) -> Tensor:
+    """Boolean rows [..., KV] from runs [..., R] (the inverse of key_runs, for tests)."""
+    keys = torch.arange(kv_len, device=first.device)
+    return ((keys >= first[..., None]) & (keys <= last[..., None])).any(-2)
+
+
+def assert_key_runs_match_dense(pattern: Pattern, geo: Geometry) -> None:
+    """key_runs: runs ascending, disjoint, non-empty ones first, and together exactly the dense rows."""
+    positions = geo.q_positions()
+    first, last = (t.permute(1, 2, 0) for t in pattern.key_runs(geo, positions))  # [H', P, R]
+    dense = pattern.dense(geo)[0]
+    rows = runs_to_rows(first, last, geo.kv_len)
+    assert torch.equal(rows.expand_as(dense), dense), f"{pattern!r}: key_runs differ from dense"
+    empty = first > last
+    assert not (empty[..., :-1] & ~empty[..., 1:]).any(), "empty runs must come last"
+    both = ~empty[..., :-1] & ~empty[..., 1:]
+    assert (first[..., 1:] > last[..., :-1])[both].all(), "runs must ascend without overlap"

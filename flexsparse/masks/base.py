@@ -95,6 +95,41 @@ class Geometry:
         return self.q_positions()[:, None], torch.arange(self.kv_len, device=self.device)[None, :]
 
 
+def runs_from_rows(rows: Tensor) -> tuple[Tensor, Tensor]:
+    """Runs of True in boolean rows ``[..., KV]`` as (first, last) ``[..., R]``, empty runs (1, 0) padded last."""
+    padded = torch.nn.functional.pad(rows.to(torch.int8), (1, 1))
+    step = padded.diff(dim=-1)
+    starts, ends = step == 1, step == -1  # [..., KV + 1]
+    count = starts.sum(-1)
+    width = max(int(count.max()) if count.numel() else 0, 1)
+    positions = torch.arange(step.shape[-1], device=rows.device)
+    order_s = torch.argsort((~starts).to(torch.int8), dim=-1, stable=True)[..., :width]
+    order_e = torch.argsort((~ends).to(torch.int8), dim=-1, stable=True)[..., :width]
+    valid = torch.arange(width, device=rows.device) < count[..., None]
+    first = torch.where(valid, positions[order_s], 1)
+    last = torch.where(valid, positions[order_e] - 1, 0)
+    return first, last
+
+
+def normalize_runs(first: Tensor, last: Tensor) -> tuple[Tensor, Tensor]:
+    """Sort runs ``[..., R]`` by first key (empty ones last) and merge overlapping or adjacent ones."""
+    empty = first > last
+    big = torch.iinfo(first.dtype).max
+    order = torch.argsort(torch.where(empty, big, first), dim=-1, stable=True)
+    first, last, empty = first.gather(-1, order), last.gather(-1, order), empty.gather(-1, order)
+    reach = torch.where(empty, -2, last).cummax(-1).values  # furthest key covered by runs so far
+    opens = ~empty & torch.cat([torch.ones_like(empty[..., :1]), first[..., 1:] > reach[..., :-1] + 1], -1)
+    group = opens.cumsum(-1) - 1  # merged run index of each run
+    width = first.shape[-1]
+    merged_first = torch.full_like(first, 1).scatter_reduce(-1, group.clamp(min=0), torch.where(opens, first, big),
+                                                            "amin", include_self=False)
+    merged_last = torch.zeros_like(last).scatter_reduce(-1, group.clamp(min=0), torch.where(empty, -1, last),
+                                                        "amax", include_self=False)
+    count = opens.sum(-1, keepdim=True)
+    valid = torch.arange(width, device=first.device) < count
+    return torch.where(valid, merged_first, 1), torch.where(valid, merged_last, 0)
+
+
 def classify(full: Tensor, empty: Tensor) -> Tensor:
     """Block classes (int8) from boolean 'every pair attends' and 'no pair attends' tensors."""
     return torch.where(full, FULL, torch.where(empty, EMPTY, PARTIAL)).to(torch.int8)
@@ -131,6 +166,35 @@ class Pattern(ABC):
     def attended(self, geo: Geometry) -> Tensor:
         """Keys attended per query, int64 ``[B', H', Q]``. Default: counted from :meth:`dense`."""
         return self.dense(geo).sum(-1)
+
+    @property
+    def required_heads(self) -> int | None:
+        """The number of query heads this pattern is defined for, or None if it treats every head alike."""
+        return None
+
+    def key_runs(self, geo: Geometry, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys attended by the given absolute query positions as runs of consecutive keys.
+
+        Returns (first, last), integer ``[R, H', P]`` (slot-major, the layout the receptive-field verifier
+        scans): per head and query, R runs ``first..last`` (inclusive), the non-empty ones first, ascending and
+        disjoint, then empty ones (first > last). Default: read off :meth:`dense` (small sizes); patterns with
+        structure override it.
+        """
+        dense = self.dense(geo)
+        if dense.shape[0] != 1:
+            raise ValueError(f"key_runs needs a pattern without a batch dimension; {self!r} has {dense.shape[0]}")
+        first, last = runs_from_rows(dense[0][:, positions.long() - geo.offset])
+        return first.permute(2, 0, 1), last.permute(2, 0, 1)
+
+    def union_key_runs(self, geo: Geometry, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """Runs of the keys any head attends, ``[R, P]``: first and last keys both non-decreasing along R
+        (repeats allowed), empty runs last. What the receptive-field verifier reads.
+
+        Default: the heads' :meth:`key_runs` sorted together and merged.
+        """
+        first, last = (t.reshape(t.shape[0] * t.shape[1], -1).T for t in self.key_runs(geo, positions))
+        first, last = normalize_runs(first, last)
+        return first.T, last.T
 
     def block_mask(self, geo: Geometry) -> BlockMask:
         """BlockMask with partial and full blocks from :meth:`block_classes`."""

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from flexsparse.masks.base import EMPTY, FULL, Geometry, MaskMod, Pattern, classify
+from flexsparse.masks.base import EMPTY, FULL, Geometry, MaskMod, Pattern, classify, normalize_runs
 from flexsparse.masks.blocks import BlockMaskStack
 
 
@@ -61,6 +61,18 @@ class Union(Pattern):
             result = result | p.dense(geo)
         return result
 
+    @property
+    def required_heads(self) -> int | None:
+        return _required_heads(self.parts)
+
+    def key_runs(self, geo: Geometry, positions: Tensor) -> tuple[Tensor, Tensor]:
+        runs = [p.key_runs(geo, positions) for p in self.parts]
+        heads = max(first.shape[1] for first, _ in runs)
+        first = torch.cat([f.expand(-1, heads, -1) for f, _ in runs]).permute(1, 2, 0)
+        last = torch.cat([l.expand(-1, heads, -1) for _, l in runs]).permute(1, 2, 0)
+        first, last = normalize_runs(first, last)
+        return first.permute(2, 0, 1), last.permute(2, 0, 1)
+
 
 class Intersection(Pattern):
     """A query attends a key if every part lets it."""
@@ -85,6 +97,10 @@ class Intersection(Pattern):
 
         return intersection_mask
 
+    @property
+    def required_heads(self) -> int | None:
+        return _required_heads(self.parts)
+
     def block_classes(self, geo: Geometry) -> Tensor:
         classes = torch.broadcast_tensors(*[p.block_classes(geo) for p in self.parts])
         stacked = torch.stack(classes)
@@ -95,6 +111,13 @@ class Intersection(Pattern):
         for p in self.parts[1:]:
             result = result & p.dense(geo)
         return result
+
+
+def _required_heads(parts: Sequence[Pattern]) -> int | None:
+    heads = {p.required_heads for p in parts} - {None}
+    if len(heads) > 1:
+        raise ValueError(f"parts are defined for different head counts: {sorted(heads)}")
+    return heads.pop() if heads else None
 
 
 def dispatch_mask_mod(mask_mods: Sequence[MaskMod], modes: Tensor) -> MaskMod:
@@ -166,6 +189,21 @@ class PerHead(Pattern):
 
     def attended(self, geo: Geometry) -> Tensor:
         return _gather_heads([p.attended(geo) for p in self.patterns], self._modes_for(geo))
+
+    @property
+    def required_heads(self) -> int:
+        return self.modes.shape[1]
+
+    def key_runs(self, geo: Geometry, positions: Tensor) -> tuple[Tensor, Tensor]:
+        if self.modes.shape[0] != 1:
+            raise ValueError("key_runs of PerHead needs per-head modes [H], not per-batch modes [B, H]")
+        runs = [p.key_runs(geo, positions) for p in self.patterns]
+        width = max(f.shape[0] for f, _ in runs)
+        # [R, H', P] -> [1, H', P, R] padded to a common R, so that heads can be gathered
+        as_rows = lambda t, fill: torch.nn.functional.pad(t.permute(1, 2, 0), (0, width - t.shape[0]), value=fill)[None]
+        first = _gather_heads([as_rows(f, 1) for f, _ in runs], self._modes_for(geo))[0]
+        last = _gather_heads([as_rows(l, 0) for _, l in runs], self._modes_for(geo))[0]
+        return first.permute(2, 0, 1), last.permute(2, 0, 1)
 
 
 class PerLayer(Sequence):

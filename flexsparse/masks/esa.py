@@ -30,12 +30,18 @@ _INT32_LIMIT = 2**31 - 1
 _QUERY_CHUNK = 4096
 
 
-def round_half_even_div(num: Tensor, den: int | Tensor) -> Tensor:
-    """``round(num / den)`` for integers num and den > 0, ties to even, exactly."""
-    quotient = torch.div(num, den, rounding_mode="floor")
-    twice_rest = 2 * (num - quotient * den)
-    round_up = (twice_rest > den) | ((twice_rest == den) & (quotient % 2 == 1))
-    return quotient + round_up.to(quotient.dtype)
+def round_half_even_div(num: Tensor, den: int) -> Tensor:
+    """``round(num / den)`` for an integer tensor num and an int den > 0, ties to even, exactly.
+
+    ``floor(num / den + 1/2)`` rounds ties up; a tie is when ``2 num + den`` is a multiple of ``2 den``, and then
+    an odd result steps down to the even neighbour.
+    """
+    if den % 2 == 1:  # num / den is never a tie for odd den
+        return torch.div(num + den // 2, den, rounding_mode="floor")
+    shifted = 2 * num + den
+    rounded = torch.div(shifted, 2 * den, rounding_mode="floor")
+    tie_to_odd = (shifted - rounded * (2 * den) == 0) & (rounded % 2 == 1)
+    return rounded - tie_to_odd.to(rounded.dtype)
 
 
 class ESA(Pattern):
@@ -84,11 +90,23 @@ class ESA(Pattern):
         return round_half_even_div(base * (heads - 1 - head) + shifted * head, heads - 1)
 
     def indices(self, positions: Tensor) -> Tensor:
-        """Key indices ``[H, len(positions), w]`` (int64) of the given absolute query positions, before masking."""
-        start, window = (t[None, :, None] for t in self._start_and_window(positions.long()))
-        j = torch.arange(self.attn_length, device=positions.device)[None, None, :]
-        head = torch.arange(self.num_heads, device=positions.device)[:, None, None]
-        return self._index(start, window, j, head)
+        """Key indices ``[H, len(positions), w]`` of the given absolute query positions, before masking.
+
+        Same dtype as ``positions`` (int32 is exact while ``kv_len * max(w, H, L) < 2**31``).
+        """
+        return self._slot_major_indices(positions).permute(1, 2, 0)
+
+    def _slot_major_indices(self, positions: Tensor) -> Tensor:
+        """Key indices ``[w, H, P]`` (slot, head, query)."""
+        w, heads = self.attn_length, self.num_heads
+        start, window = (t[None, :] for t in self._start_and_window(positions))
+        slots = torch.arange(w + 1, device=positions.device, dtype=positions.dtype)[:, None]
+        bases = start + round_half_even_div(slots * window, w)  # [w + 1, P], shared by all heads
+        base, shifted = bases[:w, None], bases[1:, None] - 1
+        if heads == 1:
+            return base
+        head = torch.arange(heads, device=positions.device, dtype=positions.dtype)[None, :, None]
+        return round_half_even_div(base * (heads - 1 - head) + shifted * head, heads - 1)
 
     def mask_mod(self, geo: Geometry) -> MaskMod:
         self._check(geo)
@@ -138,6 +156,29 @@ class ESA(Pattern):
             row = rows[None, :, None].expand_as(index)
             mask[head[valid], row[valid], index[valid]] = True
         return mask[None]
+
+    @property
+    def required_heads(self) -> int:
+        return self.num_heads
+
+    def key_runs(self, geo: Geometry, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """w single-key runs per head, ascending; causally masked keys (the largest) become empty runs last.
+
+        Layer 0 of several (alpha = 0) has spacing 1 and identical heads: one run per query.
+        """
+        self._check(geo)
+        if self.layer_idx == 0 and self.num_layers > 1:
+            start, window = self._start_and_window(positions)
+            return start[None, None], torch.minimum(start + window - 1, positions)[None, None]
+        index = self._slot_major_indices(positions)
+        valid = index <= positions[None, None, :]
+        return torch.where(valid, index, 1), torch.where(valid, index, 0)
+
+    def union_key_runs(self, geo: Geometry, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """Already ascending in (slot, head) order: head h's slot-j key lies in [base_j, base_{j+1} - 1] and
+        grows with h. Causally masked keys are the largest, so they come last."""
+        first, last = self.key_runs(geo, positions)
+        return first.reshape(-1, positions.numel()), last.reshape(-1, positions.numel())
 
     def attended(self, geo: Geometry) -> Tensor:
         return torch.cat([valid.sum(-1) for _, _, _, valid in self._chunks(geo)], dim=1)[None]

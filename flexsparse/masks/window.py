@@ -43,6 +43,9 @@ class Causal(Pattern):
     def attended(self, geo: Geometry) -> Tensor:
         return (geo.q_positions() + 1)[None, None]
 
+    def key_runs(self, geo: Geometry, positions: Tensor) -> tuple[Tensor, Tensor]:
+        return torch.zeros_like(positions)[None, None], positions[None, None]
+
 
 class SinkWindow(Pattern):
     """SSA: query i attends keys k <= i with k < ``sink`` or i - k < ``window``.
@@ -106,8 +109,20 @@ class SinkWindow(Pattern):
         tokens = tokens[geo.offset : geo.offset + geo.q_len, : geo.kv_len]
         return (tokens & causal)[None, None]
 
+    def _window_start(self, positions: Tensor) -> Tensor:
+        return torch.clamp((positions // self.unit - self.window // self.unit + 1) * self.unit, min=0)
+
     def attended(self, geo: Geometry) -> Tensor:
         i = geo.q_positions()
-        window_start = torch.clamp((i // self.unit - self.window // self.unit + 1) * self.unit, min=0)
+        window_start = self._window_start(i)
         sink_before_window = torch.clamp(window_start, max=self.sink)
         return (i + 1 - window_start + sink_before_window)[None, None]
+
+    def key_runs(self, geo: Geometry, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """Two runs: the sink keys before the window (when any), then the window."""
+        window_start = self._window_start(positions)
+        sink_last = torch.minimum(window_start, torch.full_like(window_start, self.sink)) - 1
+        has_sink = sink_last >= 0
+        first = torch.stack([torch.where(has_sink, 0, window_start), torch.where(has_sink, window_start, 1)])
+        last = torch.stack([torch.where(has_sink, sink_last, positions), torch.where(has_sink, positions, 0)])
+        return first[:, None], last[:, None]

@@ -1,0 +1,51 @@
+"""Patterns from short text specs, for the command line and JSON configs.
+
+A spec is ``name`` or ``name:key=value,key=value``, e.g. ``causal``, ``sink_window:sink=128,window=2048`` or
+``esa:num_layers=8,attn_length=64,num_heads=8``. A layer of per-head patterns joins specs with ``+``. In a stack,
+an ESA spec without ``layer_idx`` takes its position in the stack.
+"""
+
+from __future__ import annotations
+
+from flexsparse.masks import ESA, Causal, Pattern, SinkWindow
+
+PATTERNS: dict[str, type[Pattern]] = {"causal": Causal, "sink_window": SinkWindow, "esa": ESA}
+
+
+def register(name: str, cls: type[Pattern]) -> None:
+    """Make a pattern class available to specs under ``name``."""
+    PATTERNS[name] = cls
+
+
+def parse_pattern(spec: str, layer_idx: int | None = None) -> Pattern:
+    """One pattern from ``name[:key=value,...]`` (values are ints or floats)."""
+    name, _, args = spec.strip().partition(":")
+    if name not in PATTERNS:
+        raise ValueError(f"unknown pattern {name!r} in spec {spec!r}; known: {sorted(PATTERNS)}")
+    kwargs: dict[str, int | float] = {}
+    for item in filter(None, args.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ValueError(f"spec arguments are key=value, got {item!r} in {spec!r}")
+        kwargs[key.strip()] = float(value) if "." in value else int(value)
+    if PATTERNS[name] is ESA and "layer_idx" not in kwargs and layer_idx is not None:
+        kwargs["layer_idx"] = layer_idx
+    try:
+        return PATTERNS[name](**kwargs)
+    except TypeError as err:
+        raise ValueError(f"bad arguments in spec {spec!r}: {err}") from err
+
+
+def parse_layer(spec: str | list[str], layer_idx: int) -> Pattern | list[Pattern]:
+    """A layer: one spec, or per-head specs (a list, or specs joined with '+')."""
+    parts = spec.split("+") if isinstance(spec, str) else list(spec)
+    patterns = [parse_pattern(p, layer_idx) for p in parts]
+    return patterns[0] if len(patterns) == 1 else patterns
+
+
+def parse_stack(specs: list[str | list[str]], repeat: int = 1) -> list[Pattern | list[Pattern]]:
+    """Layers from specs, the list repeated ``repeat`` times; ESA layers are numbered by stack position."""
+    if repeat < 1:
+        raise ValueError(f"repeat must be >= 1, got {repeat}")
+    full = list(specs) * repeat
+    return [parse_layer(spec, index) for index, spec in enumerate(full)]
