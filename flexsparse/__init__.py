@@ -2,7 +2,19 @@
 
 from flexsparse import masks, reference
 from flexsparse.attention import AttentionStats, HybridAttention
-from flexsparse.masks import ESA, Causal, Geometry, Intersection, Pattern, PerHead, PerLayer, SinkWindow, Union
+from flexsparse.masks import (
+    ESA,
+    Causal,
+    Geometry,
+    Intersection,
+    Pattern,
+    PerHead,
+    PerLayer,
+    SinkWindow,
+    TriangleMix,
+    Union,
+    XAttention,
+)
 from flexsparse.metrics import effective_sparsity_ratio, model_sparsity_ratio
 
 __version__ = "0.1.0"
@@ -18,7 +30,9 @@ __all__ = [
     "PerHead",
     "PerLayer",
     "SinkWindow",
+    "TriangleMix",
     "Union",
+    "XAttention",
     "effective_sparsity_ratio",
     "masks",
     "model_sparsity_ratio",

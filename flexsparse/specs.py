@@ -7,9 +7,11 @@ an ESA spec without ``layer_idx`` takes its position in the stack.
 
 from __future__ import annotations
 
-from flexsparse.masks import ESA, Causal, Pattern, SinkWindow
+from flexsparse.masks import ESA, Causal, Pattern, SinkWindow, TriangleMix
 
-PATTERNS: dict[str, type[Pattern]] = {"causal": Causal, "sink_window": SinkWindow, "esa": ESA}
+PATTERNS: dict[str, type[Pattern]] = {
+    "causal": Causal, "sink_window": SinkWindow, "esa": ESA, "triangle_mix": TriangleMix,
+}
 
 
 def register(name: str, cls: type[Pattern]) -> None:

@@ -8,7 +8,7 @@ import torch
 
 from flexsparse import HybridAttention
 from flexsparse.attention import RecompileLimitError
-from flexsparse.masks import Causal, SinkWindow
+from flexsparse.masks import Causal, SinkWindow, XAttention
 from tests.test_hybrid_attention import ATOL, dense_mask, qkv
 from flexsparse.reference import attention as reference
 
@@ -52,3 +52,19 @@ def test_recompile_limit_raises_instead_of_unfused_fallback(warm):
     with torch._dynamo.config.patch(recompile_limit=1):
         with pytest.raises(RecompileLimitError, match="refuses the unfused fallback"):
             attn(*qkv(BATCH, HEADS, KV_HEADS, SEQ + 7), modes=torch.tensor([0, 1]))
+
+
+def test_content_dependent_xa_heads_never_recompile():
+    """XA resolves a new block table for every input; new tables are new tensor values, not new graphs.
+
+    (The modes tensor's shape, [H_kv] or [B, H_kv], is part of the compiled structure: keep it fixed.)"""
+    patterns = {"full": Causal(), "ssa": SinkWindow(sink=16, window=48), "xa": XAttention(0.8, stride=8, block_size=64)}
+    attn = HybridAttention(HEADS, KV_HEADS, 16, patterns, ["xa", "ssa"], block_size=64, backend="flex")
+    attn(*qkv(BATCH, HEADS, KV_HEADS, SEQ, seed=100), modes=torch.tensor([[2, 0], [0, 2]]))  # warm-up
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for seed in range(10):
+            q, k, v = qkv(BATCH, HEADS, KV_HEADS, SEQ, seed=seed)
+            modes = torch.tensor([[2, 1], [0, 2]]) if seed % 2 else torch.tensor([[2, 2], [1, 0]])
+            out = attn(q, k, v, modes=modes)
+    expected = reference(q, k, v, attn.reference_mask(q, k, modes))
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)

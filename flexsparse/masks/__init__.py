@@ -4,13 +4,16 @@ from flexsparse.masks.base import EMPTY, FULL, PARTIAL, Geometry, MaskMod, Patte
 from flexsparse.masks.blocks import BlockMaskStack, block_density, block_mask_from_classes
 from flexsparse.masks.combine import Intersection, PerHead, PerLayer, Union, dispatch_mask_mod
 from flexsparse.masks.esa import ESA
+from flexsparse.masks.triangle import TriangleMix
 from flexsparse.masks.window import Causal, SinkWindow
+from flexsparse.masks.xattention import BlockTable, XAttention
 
 __all__ = [
     "EMPTY",
     "FULL",
     "PARTIAL",
     "BlockMaskStack",
+    "BlockTable",
     "Causal",
     "ESA",
     "Geometry",
@@ -20,7 +23,9 @@ __all__ = [
     "PerHead",
     "PerLayer",
     "SinkWindow",
+    "TriangleMix",
     "Union",
+    "XAttention",
     "block_density",
     "block_mask_from_classes",
     "dispatch_mask_mod",
