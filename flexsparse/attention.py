@@ -26,6 +26,16 @@ from flexsparse.metrics import effective_sparsity_ratio, model_sparsity_ratio
 
 Backend = Literal["auto", "flex", "flex_eager", "dense"]
 BACKENDS = ("auto", "flex", "flex_eager", "dense")
+Plan = Literal["auto", "fused", "split"]
+PLANS = ("auto", "fused", "split")
+
+# Cost model for plan="auto" (measured on an H100, torch 2.11, bf16; see README's benchmark table): flex runs the
+# blocks of full causal heads at about 0.7x SDPA's throughput, so sending full heads to SDPA saves
+# 0.43 x their SDPA time, at the price of one more launch and writing the split outputs into one tensor.
+_SDPA_FLOPS_PER_S = 600e12
+_FLEX_FULL_SPEED = 0.7
+_EXTRA_LAUNCH_S = 50e-6
+_HBM_BYTES_PER_S = 3e12
 _GEOMETRY_CACHE_SIZE = 8
 _compiled_flex_attention = None
 
@@ -110,6 +120,12 @@ class HybridAttention(nn.Module):
         backend: "flex" (compiled flex_attention), "flex_eager" (uncompiled, small sizes, for debugging),
             "dense" (masked SDPA on the dense pattern, small sizes; has a backward on CPU), or "auto":
             flex, except on CPU when gradients are needed, where flex has no backward and dense is used.
+        plan: how the flex backends run a layer whose heads mix full (FA) and sparse patterns. "fused": every
+            head in one flex_attention launch. "split": full heads through SDPA (the faster kernel for dense
+            causal work), sparse heads through one flex launch, written into one output. It needs the modes on
+            the host: the default modes, or per-call modes of shape [H_kv] (one host sync), and q_len == kv_len.
+            "auto": split on CUDA when a cost model says it pays (long sequences), for the default modes only;
+            per-call routing always runs fused (no host sync).
         kernel_options: passed to flex_attention (e.g. block sizes, warps, stages, TMA on Hopper).
         max_dense_len: the longest q_len/kv_len the dense and flex_eager backends accept (they are O(S^2)).
         scale: softmax scale, default ``head_dim ** -0.5``.
@@ -129,6 +145,7 @@ class HybridAttention(nn.Module):
         *,
         block_size: int = 128,
         backend: Backend = "auto",
+        plan: Plan = "auto",
         kernel_options: dict | None = None,
         max_dense_len: int = 8192,
         scale: float | None = None,
@@ -144,6 +161,9 @@ class HybridAttention(nn.Module):
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if plan not in PLANS:
+            raise ValueError(f"plan must be one of {PLANS}, got {plan!r}")
+        self.plan = plan
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.block_size, self.backend, self.max_dense_len = block_size, backend, max_dense_len
         self.kernel_options = dict(kernel_options or {})
@@ -316,6 +336,9 @@ class HybridAttention(nn.Module):
                                                   enable_gqa=self.num_heads != self.num_kv_heads)
         geo = Geometry(self.num_heads, q.shape[2], k.shape[2], self.block_size, q.device)
         plan = self._plan(geo)
+        split_modes = self._split_heads(q, k, modes)
+        if split_modes is not None:
+            return self._run_split(q, k, v, plan, split_modes, scale, backend)
         uniform = self._uniform_mode if modes is None else None
         patterns, mods, masks = self._resolved(plan, q, k, only=uniform)
         if uniform is not None:  # one pattern for the whole layer: run it alone, no dispatch
@@ -330,6 +353,67 @@ class HybridAttention(nn.Module):
                 return flex_attention(q, k, v, block_mask=block_mask, scale=scale,
                                       enable_gqa=self.num_heads != self.num_kv_heads)
         return run_flex(q, k, v, block_mask, scale, self.kernel_options)
+
+    # ----- execution plans ---------------------------------------------------------------------------------
+
+    def _split_heads(self, q: Tensor, k: Tensor, modes: Tensor | None) -> list[int] | None:
+        """The per-KV-head modes (host ints) when this call runs the split plan, else None."""
+        if self.plan == "fused" or (self.plan == "auto" and (modes is not None or q.device.type != "cuda")):
+            return None
+        if modes is None:
+            kv_modes = self.default_modes.tolist()
+        elif modes.dim() == 1 or modes.shape[0] == 1:
+            kv_modes = modes.flatten().tolist()  # host sync: plan="split" was asked for with per-call modes
+        else:
+            raise ValueError("plan='split' needs one set of modes for the whole batch: modes of shape [H_kv]")
+        full = [self._pattern_list[m].is_full and not self._pattern_list[m].is_dynamic for m in kv_modes]
+        if not any(full) or all(full):
+            return None  # nothing to split
+        if q.shape[2] != k.shape[2]:
+            if self.plan == "split":
+                raise ValueError("plan='split' sends full heads to SDPA's causal kernel, which needs q_len == kv_len")
+            return None
+        if self.plan == "auto" and not self._split_pays(q, sum(full)):
+            return None
+        return kv_modes
+
+    def _split_pays(self, q: Tensor, full_kv_heads: int) -> bool:
+        """Cost model: the full heads' time saved by SDPA against one more launch and the output copy."""
+        batch, _, seq, dim = q.shape
+        full_q_heads = full_kv_heads * (self.num_heads // self.num_kv_heads)
+        causal_flops = 4 * batch * full_q_heads * dim * seq * (seq + 1) / 2
+        saved = causal_flops / _SDPA_FLOPS_PER_S * (1 / _FLEX_FULL_SPEED - 1)
+        output_bytes = q.numel() * q.element_size()
+        return saved > _EXTRA_LAUNCH_S + 2 * output_bytes / _HBM_BYTES_PER_S
+
+    def _run_split(self, q, k, v, plan: _GeometryPlan, kv_modes: list[int], scale: float, backend: str) -> Tensor:
+        """Full KV heads through SDPA, the others through one flex launch, into one output."""
+        group = self.num_heads // self.num_kv_heads
+        full = [self._pattern_list[m].is_full for m in kv_modes]
+        full_kv = [h for h, f in enumerate(full) if f]
+        sparse_kv = [h for h, f in enumerate(full) if not f]
+        index = lambda heads, g: torch.tensor([h * g + i for h in heads for i in range(g)], device=q.device)
+        full_q, sparse_q = index(full_kv, group), index(sparse_kv, group)
+        kv_full, kv_sparse = index(full_kv, 1), index(sparse_kv, 1)
+        out = torch.empty_like(q)
+        out[:, full_q] = F.scaled_dot_product_attention(
+            q[:, full_q], k[:, kv_full], v[:, kv_full], is_causal=True, scale=scale, enable_gqa=group > 1)
+        all_modes = torch.tensor(kv_modes, device=q.device).repeat_interleave(group)[None]
+        modes = all_modes[:, sparse_q]
+        patterns, mods, masks = self._resolved(plan, q, k, only=None)
+        stack = plan.stack or BlockMaskStack.from_masks(masks, plan.geo.num_heads)
+        block_mask = stack.select(modes, dispatch_mask_mod(mods, modes, sparse_q), heads=sparse_q)
+        if backend == "flex_eager":
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile")
+                sparse_out = flex_attention(q[:, sparse_q], k[:, kv_sparse], v[:, kv_sparse], block_mask=block_mask,
+                                            scale=scale, enable_gqa=group > 1)
+        else:
+            sparse_out = run_flex(q[:, sparse_q], k[:, kv_sparse], v[:, kv_sparse], block_mask, scale,
+                                  self.kernel_options)
+        out[:, sparse_q] = sparse_out
+        self._last = (plan.geo, patterns, all_modes, None)
+        return out
 
     @property
     def last_stats(self) -> AttentionStats:
@@ -355,4 +439,4 @@ class HybridAttention(nn.Module):
     def extra_repr(self) -> str:
         modes = [self.pattern_names[i] for i in self.default_modes.tolist()]
         return (f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-                f"patterns={dict(self.patterns)}, modes={modes}, backend={self.backend!r}")
+                f"patterns={dict(self.patterns)}, modes={modes}, backend={self.backend!r}, plan={self.plan!r}")

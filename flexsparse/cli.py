@@ -55,6 +55,13 @@ def _show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from flexsparse.bench import run_bench
+
+    run_bench(args.seq, backward=not args.forward_only, out_dir=args.out)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flexsparse", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -81,6 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--layers", type=int, default=None, help="draw ESA layers 0..N-1 (layer_idx by row)")
     show.add_argument("--out", default="pattern.png")
     show.set_defaults(run=_show)
+
+    bench = sub.add_parser("bench", help="GPU benchmark against SDPA and serial dispatch (writes JSON and PNG)")
+    bench.add_argument("--seq", type=int, nargs="+", default=[8192, 32768, 131072])
+    bench.add_argument("--forward-only", action="store_true")
+    bench.add_argument("--out", default="bench/results")
+    bench.set_defaults(run=_bench)
     return parser
 
 

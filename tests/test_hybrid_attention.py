@@ -183,3 +183,35 @@ def test_long_inputs_never_take_an_O_S2_path_silently():
 def test_public_api_is_exported():
     for name in ("HybridAttention", "Causal", "SinkWindow", "Union", "Intersection", "PerHead", "PerLayer"):
         assert hasattr(flexsparse, name)
+
+
+@pytest.mark.parametrize("modes", [["full", "ssa", "narrow", "full"], ["ssa", "full", "full", "narrow"]])
+def test_split_plan_matches_fused_and_reference(modes):
+    """Full heads through SDPA, sparse heads through flex, written back in head order."""
+    split = HybridAttention(8, 4, 16, PATTERNS, modes, block_size=16, backend="flex_eager", plan="split")
+    fused = HybridAttention(8, 4, 16, PATTERNS, modes, block_size=16, backend="flex_eager", plan="fused")
+    q, k, v = qkv(2, 8, 4, 70)
+    expected = reference(q, k, v, fused.reference_mask(q, k))
+    torch.testing.assert_close(split(q, k, v), expected, atol=ATOL, rtol=0)
+    torch.testing.assert_close(fused(q, k, v), expected, atol=ATOL, rtol=0)
+    routed = torch.tensor([1, 0, 0, 2])
+    torch.testing.assert_close(split(q, k, v, modes=routed), reference(q, k, v, split.reference_mask(q, k, routed)),
+                               atol=ATOL, rtol=0)
+    assert split.last_stats.msr == 0.5
+
+
+def test_split_plan_errors():
+    split = HybridAttention(4, 2, 16, PATTERNS, ["full", "ssa"], backend="flex_eager", plan="split")
+    with pytest.raises(ValueError, match="q_len == kv_len"):
+        split(*qkv(1, 4, 2, 20, kv=40))
+    with pytest.raises(ValueError, match="shape \\[H_kv\\]"):
+        split(*qkv(2, 4, 2, 20), modes=torch.tensor([[0, 1], [1, 0]]))
+    with pytest.raises(ValueError, match="plan"):
+        HybridAttention(4, 2, 16, PATTERNS, plan="serial")
+
+
+def test_auto_plan_cost_model_prefers_split_only_for_long_sequences():
+    attn = HybridAttention(32, 8, 128, PATTERNS, ["full"] * 2 + ["ssa"] * 6)
+    short, long = torch.empty(1, 32, 2048, 128), torch.empty(1, 32, 65536, 128)
+    assert not attn._split_pays(short, 2)
+    assert attn._split_pays(long, 2)

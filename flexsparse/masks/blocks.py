@@ -75,14 +75,17 @@ class BlockMaskStack:
             tensors[name] = torch.stack(parts).contiguous()
         return cls(tensors, tuple(masks[0].seq_lengths), tuple(masks[0].BLOCK_SIZE))
 
-    def select(self, modes: Tensor, mask_mod: MaskMod) -> BlockMask:
-        """BlockMask whose row (b, h) is row (b, h) of mask ``modes[b, h]``; ``modes`` is int ``[B, H]``."""
+    def select(self, modes: Tensor, mask_mod: MaskMod, heads: Tensor | None = None) -> BlockMask:
+        """BlockMask whose row (b, h) is row (b, heads[h]) of mask ``modes[b, h]``.
+
+        ``modes`` int ``[B, H_sel]``; ``heads`` the selected heads (default: all, in order).
+        """
         stacked_batch = self.tensors["kv_num_blocks"].shape[1]
-        batch, heads = modes.shape
+        batch, n_heads = modes.shape
         b_index = torch.arange(batch, device=modes.device)[:, None]
         if stacked_batch == 1:
             b_index = torch.zeros_like(b_index)
-        h_index = torch.arange(heads, device=modes.device)[None, :]
+        h_index = (torch.arange(n_heads, device=modes.device) if heads is None else heads)[None, :]
         picked = {name: t[modes, b_index, h_index] for name, t in self.tensors.items()}
         return BlockMask(
             seq_lengths=self.seq_lengths,

@@ -120,19 +120,21 @@ def _required_heads(parts: Sequence[Pattern]) -> int | None:
     return heads.pop() if heads else None
 
 
-def dispatch_mask_mod(mask_mods: Sequence[MaskMod], modes: Tensor) -> MaskMod:
+def dispatch_mask_mod(mask_mods: Sequence[MaskMod], modes: Tensor, heads: Tensor | None = None) -> MaskMod:
     """One mask_mod that runs ``mask_mods[modes[b, h]]`` for row (b, h); ``modes`` int ``[B, H]`` (B may be 1).
 
-    ``modes`` is captured as a tensor: a new mode tensor of the same shape does not recompile.
+    With ``heads``, row h stands for head ``heads[h]`` of the patterns (a subset of heads in one call).
+    ``modes`` (and ``heads``) are captured as tensors: new values of the same shape do not recompile.
     """
     per_batch = modes.shape[0] > 1
     mods = tuple(mask_mods)
 
     def per_head_mask(b, h, q_idx, kv_idx):
         mode = modes[b, h] if per_batch else modes[0, h]
-        result = mods[0](b, h, q_idx, kv_idx)
+        head = h if heads is None else heads[h]
+        result = mods[0](b, head, q_idx, kv_idx)
         for index in range(1, len(mods)):
-            result = torch.where(mode == index, mods[index](b, h, q_idx, kv_idx), result)
+            result = torch.where(mode == index, mods[index](b, head, q_idx, kv_idx), result)
         return result
 
     return per_head_mask

@@ -1,0 +1,99 @@
+"""GPU: the compiled flex path forward and backward against the float64 reference, plans, no recompiles.
+
+Run on a CUDA machine: ``python -m pytest -m gpu``. Tolerances: fp32 |err| <= 5e-3 (flex may use TF32 tensor
+cores), bf16 |err| <= 3e-2 on outputs and 6e-2 on gradients, relative to the reference's largest magnitude.
+"""
+
+import pytest
+import torch
+
+from flexsparse import HybridAttention
+from flexsparse.masks import ESA, Causal, SinkWindow, TriangleMix, XAttention
+from flexsparse.masks.xattention import antidiagonal_block_mass
+from flexsparse.reference import attention as reference
+
+pytestmark = pytest.mark.gpu
+
+HEADS, KV_HEADS, DIM = 8, 4, 64
+PATTERNS = {
+    "full": Causal(),
+    "ssa": SinkWindow(sink=64, window=256),
+    "esa": ESA(3, 8, 64, HEADS),
+    "xa": XAttention(0.9, stride=16, block_size=128),
+    "ta": TriangleMix(sink=64, window=256, last_q=128),
+}
+TOLERANCE = {torch.float32: (5e-3, 5e-3), torch.bfloat16: (3e-2, 6e-2)}
+
+
+def inputs(seq, dtype, seed=0, grad=True):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    make = lambda h: torch.randn(1, h, seq, DIM, device="cuda", dtype=dtype, generator=gen).requires_grad_(grad)
+    return make(HEADS), make(KV_HEADS), make(KV_HEADS)
+
+
+def assert_near(actual, expected, tol, what):
+    scale = expected.abs().max().item()
+    err = (actual.double() - expected.double()).abs().max().item()
+    assert err <= tol * max(scale, 1.0), f"{what}: max error {err:.3g} (reference scale {scale:.3g})"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("modes", [["full", "ssa", "esa", "xa"], ["ta", "xa", "full", "ssa"], ["esa"] * 4])
+@pytest.mark.parametrize("seq", [1000, 2048])
+def test_flex_forward_and_backward_match_reference(dtype, modes, seq):
+    attn = HybridAttention(HEADS, KV_HEADS, DIM, PATTERNS, modes, backend="flex", plan="fused")
+    q, k, v = inputs(seq, dtype)
+    out = attn(q, k, v)
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    q2, k2, v2 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    expected = reference(q2, k2, v2, attn.reference_mask(q.detach(), k.detach()))
+    expected.backward(grad_out.double())
+    out_tol, grad_tol = TOLERANCE[dtype]
+    assert_near(out, expected, out_tol, "output")
+    for name, a, b in (("dq", q, q2), ("dk", k, k2), ("dv", v, v2)):
+        assert_near(a.grad, b.grad, grad_tol, name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_split_plan_forward_and_backward_equal_fused(dtype):
+    modes = ["full", "ssa", "full", "esa"]
+    q, k, v = inputs(2048, dtype)
+    results = []
+    for plan in ("fused", "split"):
+        attn = HybridAttention(HEADS, KV_HEADS, DIM, PATTERNS, modes, backend="flex", plan=plan)
+        for t in (q, k, v):
+            t.grad = None
+        out = attn(q, k, v)
+        out.sum().backward()
+        results.append([out.detach().clone()] + [t.grad.clone() for t in (q, k, v)])
+    out_tol, grad_tol = TOLERANCE[dtype]
+    for name, a, b in zip(("out", "dq", "dk", "dv"), *results):
+        assert_near(a, b, grad_tol if name != "out" else out_tol, name)
+
+
+def test_hundred_routings_cause_no_recompile():
+    attn = HybridAttention(HEADS, KV_HEADS, DIM, PATTERNS, backend="flex")
+    q, k, v = inputs(4096, torch.bfloat16, grad=False)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    attn(q, k, v, modes=torch.tensor([0, 1, 2, 3], device="cuda"))
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for _ in range(100):
+            attn(q, k, v, modes=torch.randint(0, len(PATTERNS), (KV_HEADS,), device="cuda", generator=gen))
+    torch.cuda.synchronize()
+
+
+def test_compiled_estimator_matches_eager():
+    q, k, _ = inputs(4096, torch.bfloat16, grad=False)
+    eager = antidiagonal_block_mass(q, k, 16, 128, compiled=False)
+    compiled = antidiagonal_block_mass(q, k, 16, 128, compiled=True)
+    torch.testing.assert_close(compiled, eager, atol=2e-2, rtol=2e-2)
+
+
+def test_modes_on_another_device_are_rejected():
+    attn = HybridAttention(HEADS, KV_HEADS, DIM, PATTERNS, backend="flex")
+    q, k, v = inputs(256, torch.bfloat16, grad=False)
+    with pytest.raises(ValueError, match="modes is on cpu"):
+        attn(q, k, v, modes=torch.tensor([0, 1, 0, 1]))
+    with pytest.raises(ValueError, match="k is on"):
+        attn(q, k.cpu(), v)
