@@ -37,6 +37,9 @@ _FLEX_FULL_SPEED = 0.7
 _EXTRA_LAUNCH_S = 50e-6
 _HBM_BYTES_PER_S = 3e12
 _GEOMETRY_CACHE_SIZE = 8
+MAX_COMPILED_VARIANTS = 32
+"""Compiled flex_attention variants (shapes, dtypes, pattern sets, grad modes) allowed per process before
+flexsparse raises RecompileLimitError instead of letting torch fall back to the unfused O(S^2) path."""
 _compiled_flex_attention = None
 
 
@@ -55,15 +58,16 @@ def run_flex(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMask, scale: floa
         kwargs["kernel_options"] = kernel_options
     if torch.compiler.is_compiling():  # inside the user's torch.compile: their graph fuses it
         return flex_attention(q, k, v, **kwargs)
+    limit = max(torch._dynamo.config.recompile_limit, MAX_COMPILED_VARIANTS)
     try:
-        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, recompile_limit=limit):
             return compiled_flex_attention()(q, k, v, **kwargs)
     except torch._dynamo.exc.FailOnRecompileLimitHit as err:
         raise RecompileLimitError(
-            "flex_attention reached torch._dynamo's recompile limit "
-            f"({torch._dynamo.config.recompile_limit}); flexsparse refuses the unfused fallback that materialises "
+            f"flex_attention reached its limit of {limit} compiled variants "
+            "(flexsparse.attention.MAX_COMPILED_VARIANTS); flexsparse refuses the unfused fallback that materialises "
             "the S x S score matrix. Recompiles come from new sequence lengths, dtypes, head dims or pattern sets: "
-            "bucket sequence lengths to the block size or raise torch._dynamo.config.recompile_limit."
+            "bucket sequence lengths to the block size, share pattern objects across layers, or raise the limit."
         ) from err
 
 

@@ -3,8 +3,12 @@
 One compiled shape is shared by the module (the first compiled call costs ~25 s of C++ codegen on 2 cores).
 """
 
+from unittest.mock import patch
+
 import pytest
 import torch
+
+import flexsparse.attention
 
 from flexsparse import HybridAttention
 from flexsparse.attention import RecompileLimitError
@@ -49,7 +53,7 @@ def test_fifty_routings_cause_no_recompile(warm):
 
 def test_recompile_limit_raises_instead_of_unfused_fallback(warm):
     attn, _ = warm
-    with torch._dynamo.config.patch(recompile_limit=1):
+    with patch.object(flexsparse.attention, "MAX_COMPILED_VARIANTS", 1), torch._dynamo.config.patch(recompile_limit=1):
         with pytest.raises(RecompileLimitError, match="refuses the unfused fallback"):
             attn(*qkv(BATCH, HEADS, KV_HEADS, SEQ + 7), modes=torch.tensor([0, 1]))
 
@@ -68,3 +72,20 @@ def test_content_dependent_xa_heads_never_recompile():
             out = attn(q, k, v, modes=modes)
     expected = reference(q, k, v, attn.reference_mask(q, k, modes))
     torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
+
+
+def test_esa_layers_share_one_compiled_kernel():
+    """ESA's layer enters mask_mod as a tensor: a model's ESA layers compile once, not once per layer."""
+    from torch._dynamo.utils import counters
+
+    from flexsparse.masks import ESA
+
+    layers = [HybridAttention(HEADS, KV_HEADS, 16, ESA(i, 6, 12, HEADS), block_size=64, backend="flex") for i in range(6)]
+    q, k, v = qkv(1, HEADS, KV_HEADS, SEQ)
+    layers[0](q, k, v)
+    graphs = counters["stats"]["unique_graphs"]
+    with torch.compiler.set_stance("fail_on_recompile"):
+        outs = [layer(q, k, v) for layer in layers[1:]]
+    assert counters["stats"]["unique_graphs"] == graphs
+    expected = reference(q, k, v, layers[-1].reference_mask(q, k))
+    torch.testing.assert_close(outs[-1], expected, atol=ATOL, rtol=0)

@@ -44,6 +44,24 @@ def round_half_even_div(num: Tensor, den: int) -> Tensor:
     return rounded - tie_to_odd.to(rounded.dtype)
 
 
+def _start_and_window(positions: Tensor, w: int, denominator: int, layer_weight) -> tuple[Tensor, Tensor]:
+    """s = round((n - w) * (L - 1 - l) / (L - 1)) with n = max(w, i + 1), and the window n - s.
+
+    ``layer_weight`` is ``denominator - layer_idx`` (an int or a captured tensor)."""
+    n = torch.clamp(positions + 1, min=w)
+    start = round_half_even_div((n - w) * layer_weight, denominator)
+    return start, n - start
+
+
+def _slot_index(start: Tensor, window: Tensor, j: Tensor, head: Tensor, w: int, heads: int) -> Tensor:
+    """Key index of slot j for a head (broadcast int tensors)."""
+    base = start + round_half_even_div(j * window, w)
+    if heads == 1:
+        return base
+    shifted = start + round_half_even_div((j + 1) * window, w) - 1
+    return round_half_even_div(base * (heads - 1 - head) + shifted * head, heads - 1)
+
+
 class ESA(Pattern):
     """Elastic Sparse Attention for layer ``layer_idx`` of ``num_layers``, ``num_heads`` query heads."""
 
@@ -74,20 +92,8 @@ class ESA(Pattern):
 
     def _start_and_window(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """Start s and window n - s for absolute query positions (any int tensor)."""
-        w = self.attn_length
-        denominator = max(self.num_layers - 1, 1)
-        n = torch.clamp(positions + 1, min=w)
-        start = round_half_even_div((n - w) * (denominator - self.layer_idx), denominator)
-        return start, n - start
-
-    def _index(self, start: Tensor, window: Tensor, j: Tensor, head: Tensor) -> Tensor:
-        """Key index of slot j for a head (all broadcast int tensors)."""
-        w, heads = self.attn_length, self.num_heads
-        base = start + round_half_even_div(j * window, w)
-        if heads == 1:
-            return base
-        shifted = start + round_half_even_div((j + 1) * window, w) - 1
-        return round_half_even_div(base * (heads - 1 - head) + shifted * head, heads - 1)
+        return _start_and_window(positions, self.attn_length, max(self.num_layers - 1, 1),
+                                 max(self.num_layers - 1, 1) - self.layer_idx)
 
     def indices(self, positions: Tensor) -> Tensor:
         """Key indices ``[H, len(positions), w]`` of the given absolute query positions, before masking.
@@ -109,18 +115,24 @@ class ESA(Pattern):
         return round_half_even_div(base * (heads - 1 - head) + shifted * head, heads - 1)
 
     def mask_mod(self, geo: Geometry) -> MaskMod:
+        """Closed form: the slot j whose [base_j, base_{j+1} - 1] holds kv_idx is within 1 of
+        ``(kv_idx - s) * w // window``; kv_idx is attended iff one of those 3 slots' index equals it.
+
+        The layer enters as a captured tensor, so every layer of a model shares one compiled kernel.
+        """
         self._check(geo)
-        offset, w = geo.offset, self.attn_length
+        offset, w, heads = geo.offset, self.attn_length, self.num_heads
+        denominator = max(self.num_layers - 1, 1)
+        layer_weight = torch.tensor(denominator - self.layer_idx, dtype=torch.int32, device=geo.device)
 
         def esa_mask(b, h, q_idx, kv_idx):
             q_pos = q_idx + offset
-            start, window = self._start_and_window(q_pos)
-            # The slot j whose interval [base_j, base_{j+1} - 1] holds kv_idx is within 1 of this estimate.
+            start, window = _start_and_window(q_pos, w, denominator, layer_weight)
             estimate = torch.div((kv_idx - start) * w, window, rounding_mode="floor")
             hit = torch.zeros_like(kv_idx, dtype=torch.bool)
             for delta in (-1, 0, 1):
                 j = torch.clamp(estimate + delta, 0, w - 1)
-                hit = hit | (self._index(start, window, j, h) == kv_idx)
+                hit = hit | (_slot_index(start, window, j, h, w, heads) == kv_idx)
             return hit & (kv_idx <= q_pos)
 
         return esa_mask
