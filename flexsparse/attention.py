@@ -8,10 +8,11 @@ same structure, so they never rebuild masks by scanning and never recompile.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -51,6 +52,12 @@ def compiled_flex_attention():
     return _compiled_flex_attention
 
 
+@functools.lru_cache(maxsize=4)
+def _refuse_unfused_fallback(limit: int):
+    """A reusable dynamo config patch (building one per call costs more than the call's own Python)."""
+    return torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, recompile_limit=limit)
+
+
 def run_flex(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMask, scale: float, kernel_options=None) -> Tensor:
     """Compiled flex_attention; raises instead of silently running the unfused O(S^2) path after recompiles."""
     kwargs = dict(block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
@@ -60,7 +67,7 @@ def run_flex(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMask, scale: floa
         return flex_attention(q, k, v, **kwargs)
     limit = max(torch._dynamo.config.recompile_limit, MAX_COMPILED_VARIANTS)
     try:
-        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, recompile_limit=limit):
+        with _refuse_unfused_fallback(limit):
             return compiled_flex_attention()(q, k, v, **kwargs)
     except torch._dynamo.exc.FailOnRecompileLimitHit as err:
         raise RecompileLimitError(
@@ -91,13 +98,39 @@ class AttentionStats:
 
 
 @dataclass
+class _SplitLayout:
+    """Which heads go to SDPA and which to flex, for one set of per-KV-head modes (slices where contiguous)."""
+
+    full_q: slice | Tensor
+    sparse_q: slice | Tensor
+    full_kv: slice | Tensor
+    sparse_kv: slice | Tensor
+    sparse_heads: Tensor  # query heads of the flex call, for its mask_mod
+    sparse_modes: Tensor  # [1, H_sparse]
+    all_modes: Tensor  # [1, H]
+    full_first: bool | None  # output order when the two groups are contiguous: cat, else index writes
+    block_mask: BlockMask | None = None  # cached when no pattern is content-dependent
+
+
+@dataclass
 class _GeometryPlan:
-    """What a geometry needs, built once: per-pattern mask_mods and static BlockMasks, and their stack."""
+    """What a geometry needs, built once: per-pattern mask_mods and static BlockMasks, and their stack; the
+    composed BlockMask of the default modes and split layouts are cached here on first use."""
 
     geo: Geometry
     mask_mods: list[MaskMod | None]
     block_masks: list[BlockMask | None]
     stack: BlockMaskStack | None
+    default_mask: BlockMask | None = None
+    splits: dict = field(default_factory=dict)
+
+
+def _head_index(heads: list[int], group: int, device: torch.device) -> slice | Tensor:
+    """Heads ``h * group + i`` as a slice when they are contiguous (a view, no copy), else an index tensor."""
+    index = [h * group + i for h in heads for i in range(group)]
+    if index == list(range(index[0], index[-1] + 1)):
+        return slice(index[0], index[-1] + 1)
+    return torch.tensor(index, device=device)
 
 
 def _as_pattern_dict(patterns: Mapping[str, Pattern] | Pattern) -> OrderedDict[str, Pattern]:
@@ -177,7 +210,9 @@ class HybridAttention(nn.Module):
         self._pattern_list = list(self.patterns.values())
         self.register_buffer("default_modes", self._modes_from_names(modes), persistent=False)
         self._uniform_mode = self._single_mode(self.default_modes)
-        self._plans: OrderedDict[Geometry, _GeometryPlan] = OrderedDict()
+        self._plans: OrderedDict[tuple, _GeometryPlan] = OrderedDict()
+        self._any_dynamic = any(p.is_dynamic for p in self._pattern_list)
+        self._default_head_modes: dict[torch.device, Tensor] = {}
         self._last: tuple | None = None
 
     # ----- modes -------------------------------------------------------------------------------------------
@@ -207,6 +242,9 @@ class HybridAttention(nn.Module):
         """Change the default modes (per KV head)."""
         self.default_modes = self._modes_from_names(modes).to(self.default_modes.device)
         self._uniform_mode = self._single_mode(self.default_modes)
+        self._default_head_modes.clear()
+        for plan in self._plans.values():
+            plan.default_mask = None
 
     @staticmethod
     def _single_mode(modes: Tensor) -> int | None:
@@ -276,17 +314,19 @@ class HybridAttention(nn.Module):
 
     # ----- masks -------------------------------------------------------------------------------------------
 
-    def _plan(self, geo: Geometry) -> _GeometryPlan:
-        plan = self._plans.get(geo)
+    def _plan(self, q_len: int, kv_len: int, device: torch.device) -> _GeometryPlan:
+        key = (q_len, kv_len, device)
+        plan = self._plans.get(key)
         if plan is not None:
-            self._plans.move_to_end(geo)
+            self._plans.move_to_end(key)
             return plan
+        geo = Geometry(self.num_heads, q_len, kv_len, self.block_size, device)
         static = [not p.is_dynamic for p in self._pattern_list]
         mask_mods = [p.mask_mod(geo) if s else None for p, s in zip(self._pattern_list, static)]
         block_masks = [p.block_mask(geo) if s else None for p, s in zip(self._pattern_list, static)]
         stack = BlockMaskStack.from_masks(block_masks, geo.num_heads) if all(static) else None
         plan = _GeometryPlan(geo, mask_mods, block_masks, stack)
-        self._plans[geo] = plan
+        self._plans[key] = plan
         if len(self._plans) > _GEOMETRY_CACHE_SIZE:
             self._plans.popitem(last=False)
         return plan
@@ -311,11 +351,15 @@ class HybridAttention(nn.Module):
     def _head_modes(self, q: Tensor, modes: Tensor | None) -> Tensor:
         """Per query-head modes ``[B or 1, H]`` on q's device, from per-call or default per-KV-head modes."""
         if modes is None:
-            kv_modes = self.default_modes.to(q.device)
-        else:
-            kv_modes = self._check_mode_tensor(modes, q.shape[0])
-            if kv_modes.device != q.device:
-                raise ValueError(f"modes is on {kv_modes.device} but q is on {q.device}")
+            cached = self._default_head_modes.get(q.device)
+            if cached is None:
+                cached = self.default_modes.to(q.device)[None].repeat_interleave(
+                    self.num_heads // self.num_kv_heads, dim=1)
+                self._default_head_modes[q.device] = cached
+            return cached
+        kv_modes = self._check_mode_tensor(modes, q.shape[0])
+        if kv_modes.device != q.device:
+            raise ValueError(f"modes is on {kv_modes.device} but q is on {q.device}")
         if kv_modes.dim() == 1:
             kv_modes = kv_modes[None]
         return kv_modes.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
@@ -338,18 +382,23 @@ class HybridAttention(nn.Module):
             self._last = (geo, [p.resolve(q, k) for p in self._pattern_list], head_modes, None)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=self.reference_mask(q, k, modes), scale=scale,
                                                   enable_gqa=self.num_heads != self.num_kv_heads)
-        geo = Geometry(self.num_heads, q.shape[2], k.shape[2], self.block_size, q.device)
-        plan = self._plan(geo)
+        plan = self._plan(q.shape[2], k.shape[2], q.device)
+        geo = plan.geo
         split_modes = self._split_heads(q, k, modes)
         if split_modes is not None:
             return self._run_split(q, k, v, plan, split_modes, scale, backend)
-        uniform = self._uniform_mode if modes is None else None
-        patterns, mods, masks = self._resolved(plan, q, k, only=uniform)
-        if uniform is not None:  # one pattern for the whole layer: run it alone, no dispatch
-            block_mask = masks[uniform]
+        if modes is None and not self._any_dynamic and plan.default_mask is not None:
+            patterns, block_mask = self._pattern_list, plan.default_mask  # static layer: nothing to build
         else:
-            stack = plan.stack or BlockMaskStack.from_masks(masks, geo.num_heads)
-            block_mask = stack.select(head_modes, dispatch_mask_mod(mods, head_modes))
+            uniform = self._uniform_mode if modes is None else None
+            patterns, mods, masks = self._resolved(plan, q, k, only=uniform)
+            if uniform is not None:  # one pattern for the whole layer: run it alone, no dispatch
+                block_mask = masks[uniform]
+            else:
+                stack = plan.stack or BlockMaskStack.from_masks(masks, geo.num_heads)
+                block_mask = stack.select(head_modes, dispatch_mask_mod(mods, head_modes))
+            if modes is None and not self._any_dynamic:
+                plan.default_mask = block_mask
         self._last = (geo, patterns, head_modes, block_mask)
         if backend == "flex_eager":  # chosen explicitly and bounded by max_dense_len: silence torch's warning
             with warnings.catch_warnings():
@@ -390,33 +439,56 @@ class HybridAttention(nn.Module):
         output_bytes = q.numel() * q.element_size()
         return saved > _EXTRA_LAUNCH_S + 2 * output_bytes / _HBM_BYTES_PER_S
 
+    def _split_layout(self, plan: _GeometryPlan, kv_modes: list[int], device: torch.device) -> _SplitLayout:
+        layout = plan.splits.get(tuple(kv_modes))
+        if layout is not None:
+            return layout
+        group = self.num_heads // self.num_kv_heads
+        full_kv = [h for h, m in enumerate(kv_modes) if self._pattern_list[m].is_full]
+        sparse_kv = [h for h, m in enumerate(kv_modes) if not self._pattern_list[m].is_full]
+        all_modes = torch.tensor(kv_modes, device=device).repeat_interleave(group)[None]
+        sparse_heads = torch.tensor([h * group + i for h in sparse_kv for i in range(group)], device=device)
+        contiguous = full_kv == list(range(full_kv[0], full_kv[-1] + 1)) and \
+            sparse_kv == list(range(sparse_kv[0], sparse_kv[-1] + 1))
+        layout = _SplitLayout(
+            full_q=_head_index(full_kv, group, device), sparse_q=_head_index(sparse_kv, group, device),
+            full_kv=_head_index(full_kv, 1, device), sparse_kv=_head_index(sparse_kv, 1, device),
+            sparse_heads=sparse_heads, sparse_modes=all_modes[:, sparse_heads], all_modes=all_modes,
+            full_first=(full_kv[0] == 0) if contiguous else None,
+        )
+        plan.splits[tuple(kv_modes)] = layout
+        return layout
+
     def _run_split(self, q, k, v, plan: _GeometryPlan, kv_modes: list[int], scale: float, backend: str) -> Tensor:
         """Full KV heads through SDPA, the others through one flex launch, into one output."""
+        layout = self._split_layout(plan, kv_modes, q.device)
         group = self.num_heads // self.num_kv_heads
-        full = [self._pattern_list[m].is_full for m in kv_modes]
-        full_kv = [h for h, f in enumerate(full) if f]
-        sparse_kv = [h for h, f in enumerate(full) if not f]
-        index = lambda heads, g: torch.tensor([h * g + i for h in heads for i in range(g)], device=q.device)
-        full_q, sparse_q = index(full_kv, group), index(sparse_kv, group)
-        kv_full, kv_sparse = index(full_kv, 1), index(sparse_kv, 1)
-        out = torch.empty_like(q)
-        out[:, full_q] = F.scaled_dot_product_attention(
-            q[:, full_q], k[:, kv_full], v[:, kv_full], is_causal=True, scale=scale, enable_gqa=group > 1)
-        all_modes = torch.tensor(kv_modes, device=q.device).repeat_interleave(group)[None]
-        modes = all_modes[:, sparse_q]
-        patterns, mods, masks = self._resolved(plan, q, k, only=None)
-        stack = plan.stack or BlockMaskStack.from_masks(masks, plan.geo.num_heads)
-        block_mask = stack.select(modes, dispatch_mask_mod(mods, modes, sparse_q), heads=sparse_q)
+        full_out = F.scaled_dot_product_attention(q[:, layout.full_q], k[:, layout.full_kv], v[:, layout.full_kv],
+                                                  is_causal=True, scale=scale, enable_gqa=group > 1)
+        if layout.block_mask is not None:
+            patterns, block_mask = self._pattern_list, layout.block_mask
+        else:
+            patterns, mods, masks = self._resolved(plan, q, k, only=None)
+            stack = plan.stack or BlockMaskStack.from_masks(masks, plan.geo.num_heads)
+            modes, heads = layout.sparse_modes, layout.sparse_heads
+            block_mask = stack.select(modes, dispatch_mask_mod(mods, modes, heads), heads=heads)
+            if not self._any_dynamic:
+                layout.block_mask = block_mask
+        sq, skv = q[:, layout.sparse_q], k[:, layout.sparse_kv]
         if backend == "flex_eager":
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile")
-                sparse_out = flex_attention(q[:, sparse_q], k[:, kv_sparse], v[:, kv_sparse], block_mask=block_mask,
-                                            scale=scale, enable_gqa=group > 1)
+                sparse_out = flex_attention(sq, skv, v[:, layout.sparse_kv], block_mask=block_mask, scale=scale,
+                                            enable_gqa=group > 1)
         else:
-            sparse_out = run_flex(q[:, sparse_q], k[:, kv_sparse], v[:, kv_sparse], block_mask, scale,
-                                  self.kernel_options)
-        out[:, sparse_q] = sparse_out
-        self._last = (plan.geo, patterns, all_modes, None)
+            sparse_out = run_flex(sq, skv, v[:, layout.sparse_kv], block_mask, scale, self.kernel_options)
+        self._last = (plan.geo, patterns, layout.all_modes, None)
+        if layout.full_first is not None:
+            parts = [full_out, sparse_out] if layout.full_first else [sparse_out, full_out]
+            return torch.cat(parts, dim=1)
+        out = torch.empty_like(q)
+        out[:, layout.full_q] = full_out
+        out[:, layout.sparse_q] = sparse_out
         return out
 
     @property

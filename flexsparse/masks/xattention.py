@@ -26,6 +26,7 @@ from torch import Tensor
 from flexsparse.masks.base import Geometry, MaskMod, Pattern, classify
 
 _ROWS_PER_CHUNK = 1 << 14  # query tokens estimated per chunk (bounds the [chunk, S / stride] score slab)
+_compiled_chunk = None
 
 
 def _check_qk(q: Tensor, k: Tensor) -> None:
@@ -59,6 +60,14 @@ def _block_mass_chunk(rq: Tensor, rk: Tensor, first_row: int, n_real: int, rows_
     return probs.view(b, h, g, c // rows_per_block, rows_per_block, n // rows_per_block, rows_per_block).sum((4, 6))
 
 
+def _compiled_block_mass_chunk():
+    """The chunk kernel compiled once per process; dynamic shapes, since causal chunks see growing key ranges."""
+    global _compiled_chunk
+    if _compiled_chunk is None:
+        _compiled_chunk = torch.compile(_block_mass_chunk, dynamic=True)
+    return _compiled_chunk
+
+
 def antidiagonal_block_mass(q: Tensor, k: Tensor, stride: int, block_size: int, compiled: bool = False) -> Tensor:
     """Estimated attention mass per block, float32 ``[B, H_q, QB, KB]``; each row sums to block_size / stride.
 
@@ -74,7 +83,7 @@ def antidiagonal_block_mass(q: Tensor, k: Tensor, stride: int, block_size: int, 
     rq = rq * (dim**-0.5 / stride)
     rows_per_block = block_size // stride
     chunk = max(rows_per_block, _ROWS_PER_CHUNK // stride // rows_per_block * rows_per_block)
-    step = torch.compile(_block_mass_chunk, dynamic=False) if compiled else _block_mass_chunk
+    step = _compiled_block_mass_chunk() if compiled else _block_mass_chunk
     parts = []
     for first in range(0, n, chunk):
         last = min(first + chunk, n)  # causal: these rows see reshaped keys < last only
