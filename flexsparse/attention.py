@@ -44,11 +44,26 @@ flexsparse raises RecompileLimitError instead of letting torch fall back to the 
 _compiled_flex_attention = None
 
 
+def _flexsparse_flex_attention(q, k, v, block_mask, scale, enable_gqa, kernel_options):
+    """flex_attention behind a code object of flexsparse's own.
+
+    torch.compile keeps compiled variants, and the recompile limit, per code object. Compiling torch's
+    ``flex_attention`` directly would share both with every other caller in the process, and once any caller hits
+    the limit torch marks that code object to run uncompiled (the O(S^2) path) for everyone, silently.
+    """
+    return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
+                          kernel_options=kernel_options)
+
+
 def compiled_flex_attention():
-    """The process-wide ``torch.compile``'d flex_attention (compiled once per shape/dtype/mask structure)."""
+    """flexsparse's ``torch.compile``'d flex_attention (one variant per shape/dtype/mask structure/grad mode).
+
+    Call it as ``compiled_flex_attention()(q, k, v, block_mask, scale, enable_gqa, kernel_options)``; prefer
+    :func:`run_flex`, which refuses the unfused fallback.
+    """
     global _compiled_flex_attention
     if _compiled_flex_attention is None:
-        _compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
+        _compiled_flex_attention = torch.compile(_flexsparse_flex_attention, dynamic=False)
     return _compiled_flex_attention
 
 
@@ -60,15 +75,15 @@ def _refuse_unfused_fallback(limit: int):
 
 def run_flex(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMask, scale: float, kernel_options=None) -> Tensor:
     """Compiled flex_attention; raises instead of silently running the unfused O(S^2) path after recompiles."""
-    kwargs = dict(block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-    if kernel_options:
-        kwargs["kernel_options"] = kernel_options
+    enable_gqa = q.shape[1] != k.shape[1]
+    options = kernel_options or None
     if torch.compiler.is_compiling():  # inside the user's torch.compile: their graph fuses it
-        return flex_attention(q, k, v, **kwargs)
+        return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
+                              kernel_options=options)
     limit = max(torch._dynamo.config.recompile_limit, MAX_COMPILED_VARIANTS)
     try:
         with _refuse_unfused_fallback(limit):
-            return compiled_flex_attention()(q, k, v, **kwargs)
+            return compiled_flex_attention()(q, k, v, block_mask, scale, enable_gqa, options)
     except torch._dynamo.exc.FailOnRecompileLimitHit as err:
         raise RecompileLimitError(
             f"flex_attention reached its limit of {limit} compiled variants "
