@@ -148,6 +148,10 @@ def _head_index(heads: list[int], group: int, device: torch.device) -> slice | T
     return torch.tensor(index, device=device)
 
 
+def _needs_grad(*tensors: Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def _as_pattern_dict(patterns: Mapping[str, Pattern] | Pattern) -> OrderedDict[str, Pattern]:
     if isinstance(patterns, Pattern):
         return OrderedDict(default=patterns)
@@ -315,7 +319,7 @@ class HybridAttention(nn.Module):
             raise TypeError(f"q must be floating point, got {q.dtype}")
 
     def _choose_backend(self, q: Tensor, k: Tensor, v: Tensor) -> str:
-        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        needs_grad = _needs_grad(q, k, v)
         backend = self.backend
         if backend == "auto":
             backend = "dense" if (q.device.type == "cpu" and needs_grad) else "flex"
@@ -411,7 +415,9 @@ class HybridAttention(nn.Module):
                 block_mask = masks[uniform]
             else:
                 stack = plan.stack or BlockMaskStack.from_masks(masks, geo.num_heads)
-                block_mask = stack.select(head_modes, dispatch_mask_mod(mods, head_modes))
+                cached = modes is None and not self._any_dynamic
+                block_mask = stack.select(head_modes, dispatch_mask_mod(mods, head_modes),
+                                          with_backward=cached or _needs_grad(q, k, v))
             if modes is None and not self._any_dynamic:
                 plan.default_mask = block_mask
         self._last = (geo, patterns, head_modes, block_mask)
@@ -480,8 +486,15 @@ class HybridAttention(nn.Module):
         group = self.num_heads // self.num_kv_heads
         full_out = F.scaled_dot_product_attention(q[:, layout.full_q], k[:, layout.full_kv], v[:, layout.full_kv],
                                                   is_causal=True, scale=scale, enable_gqa=group > 1)
+        sparse_patterns = {self._pattern_list[m] for m in kv_modes if not self._pattern_list[m].is_full}
+        single = sparse_patterns.pop() if len(sparse_patterns) == 1 else None
         if layout.block_mask is not None:
             patterns, block_mask = self._pattern_list, layout.block_mask
+        elif single is not None and not single.is_dynamic and plan.block_masks[self._pattern_list.index(single)] \
+                .kv_num_blocks.shape[1] == 1:
+            # one head-agnostic pattern on every sparse head: its own mask and mask_mod, no per-head dispatch
+            patterns, block_mask = self._pattern_list, plan.block_masks[self._pattern_list.index(single)]
+            layout.block_mask = block_mask
         else:
             patterns, mods, masks = self._resolved(plan, q, k, only=None)
             stack = plan.stack or BlockMaskStack.from_masks(masks, plan.geo.num_heads)

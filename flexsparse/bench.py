@@ -88,8 +88,8 @@ def _density(attn: HybridAttention, q, k, v) -> float:
     return sum(per_mode[m] for m in modes) / len(modes)
 
 
-def bench_sequence(seq: int, backward: bool, log) -> list[dict]:
-    """All configurations at one sequence length."""
+def bench_sequence(seq: int, backward: bool, log, only: str | None = None) -> list[dict]:
+    """All configurations at one sequence length (those whose name contains ``only``, if given)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     make = lambda h: torch.randn(BATCH, h, seq, DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
     q, k, v = make(HEADS), make(KV_HEADS), make(KV_HEADS)
@@ -122,6 +122,8 @@ def bench_sequence(seq: int, backward: bool, log) -> list[dict]:
                              density=(n + (8 - n) * _ssa_density(seq)) / 8, vs_sdpa=ms / sdpa_ms))
         log(f"S={seq} {pass_name}: SDPA {sdpa_ms:.2f} ms, serial {serial}")
         for name, (attn, full_kv) in layers.items():
+            if only and only not in name:
+                continue
             if with_grad and ("XA" in name or "auto" in name or "0.5" in name):
                 continue
             density = _density(attn, q, k, v)
@@ -132,7 +134,7 @@ def bench_sequence(seq: int, backward: bool, log) -> list[dict]:
                 row["vs_serial"] = ms / serial[full_kv]
             rows.append(row)
             log(f"  {name:<24} {ms:9.2f} ms  density {density:.3f}  x SDPA {ms / sdpa_ms:.3f}")
-        if not with_grad:
+        if not with_grad and (not only or only in "XA estimator"):
             xa = XAttention(0.9, 16, 128)
             est_ms = cuda_time_ms(lambda: xa.select(q, k))
             rows.append(dict(seq=seq, config="XA estimator+selection", pass_=pass_name, ms=est_ms,
@@ -172,7 +174,8 @@ def bench_mode_switch(seq: int, routings: int = 100) -> dict:
                 mode_switch_ms=switch_ms)
 
 
-def run_bench(seqs: list[int], backward: bool, out_dir: str | Path, quiet: bool = False) -> dict:
+def run_bench(seqs: list[int], backward: bool, out_dir: str | Path, quiet: bool = False,
+              only: str | None = None) -> dict:
     """Run the suite, write ``bench.json`` and ``bench.png`` under ``out_dir``; return the results."""
     if not torch.cuda.is_available():
         raise RuntimeError("flexsparse bench needs a CUDA GPU")
@@ -186,7 +189,7 @@ def run_bench(seqs: list[int], backward: bool, out_dir: str | Path, quiet: bool 
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for seq in seqs:
-        rows.extend(bench_sequence(seq, backward, log))
+        rows.extend(bench_sequence(seq, backward, log, only))
         (out / "partial.json").write_text(json.dumps(rows, indent=1))  # kept if a later size fails
     switch = bench_mode_switch(max(seqs))
     log(f"mode switch at S={switch['seq']}: {switch['recompiles']} recompiles over {switch['routings']} routings, "

@@ -58,7 +58,7 @@ def _show(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from flexsparse.bench import run_bench
 
-    run_bench(args.seq, backward=not args.forward_only, out_dir=args.out)
+    run_bench(args.seq, backward=not args.forward_only, out_dir=args.out, only=args.only)
     return 0
 
 
@@ -93,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--seq", type=int, nargs="+", default=[8192, 32768, 131072])
     bench.add_argument("--forward-only", action="store_true")
     bench.add_argument("--out", default="bench/results")
+    bench.add_argument("--only", default=None, help="run only configurations whose name contains this text")
     bench.set_defaults(run=_bench)
     return parser
 

@@ -89,3 +89,23 @@ def test_esa_layers_share_one_compiled_kernel():
     assert counters["stats"]["unique_graphs"] == graphs
     expected = reference(q, k, v, layers[-1].reference_mask(q, k))
     torch.testing.assert_close(outs[-1], expected, atol=ATOL, rtol=0)
+
+
+def test_other_callers_exhausting_torch_flex_attention_do_not_affect_flexsparse(warm):
+    """A caller that compiles torch's flex_attention past the recompile limit makes torch run that function
+    unfused from then on; flexsparse compiles its own wrapper, so its calls stay compiled."""
+    import warnings
+
+    from torch.nn.attention.flex_attention import flex_attention
+
+    attn, (q, k, v) = warm
+    other = torch.compile(flex_attention, dynamic=False)
+    with torch._dynamo.config.patch(recompile_limit=1), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        other(q[:, :, :64], k[:, :, :64], v[:, :, :64], enable_gqa=True)
+        other(q[:, :, :96], k[:, :, :96], v[:, :, :96], enable_gqa=True)  # past the limit: torch gives up
+    with torch.compiler.set_stance("fail_on_recompile"), warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*without torch.compile.*")
+        out = attn(q, k, v, modes=torch.tensor([[0, 1], [2, 0]]))
+    expected = reference(q, k, v, dense_mask(PATTERNS, torch.tensor([[0, 0, 1, 1], [2, 2, 0, 0]]), SEQ))
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)

@@ -75,10 +75,13 @@ class BlockMaskStack:
             tensors[name] = torch.stack(parts).contiguous()
         return cls(tensors, tuple(masks[0].seq_lengths), tuple(masks[0].BLOCK_SIZE))
 
-    def select(self, modes: Tensor, mask_mod: MaskMod, heads: Tensor | None = None) -> BlockMask:
+    def select(self, modes: Tensor, mask_mod: MaskMod, heads: Tensor | None = None,
+               with_backward: bool = True) -> BlockMask:
         """BlockMask whose row (b, h) is row (b, heads[h]) of mask ``modes[b, h]``.
 
-        ``modes`` int ``[B, H_sel]``; ``heads`` the selected heads (default: all, in order).
+        ``modes`` int ``[B, H_sel]``; ``heads`` the selected heads (default: all, in order). Without
+        ``with_backward`` only the kv-side tensors are gathered (the transposed ones serve the backward pass
+        only), which halves the traffic of a mode switch.
         """
         stacked_batch = self.tensors["kv_num_blocks"].shape[1]
         batch, n_heads = modes.shape
@@ -86,7 +89,9 @@ class BlockMaskStack:
         if stacked_batch == 1:
             b_index = torch.zeros_like(b_index)
         h_index = (torch.arange(n_heads, device=modes.device) if heads is None else heads)[None, :]
-        picked = {name: t[modes, b_index, h_index] for name, t in self.tensors.items()}
+        fields = _INDEX_FIELDS if with_backward else _INDEX_FIELDS[:4]
+        picked = {name: self.tensors[name][modes, b_index, h_index] for name in fields}
+        picked.update({name: None for name in _INDEX_FIELDS if name not in picked})
         return BlockMask(
             seq_lengths=self.seq_lengths,
             BLOCK_SIZE=self.block_size,
