@@ -221,7 +221,7 @@ def _plot(result: dict, path: Path) -> None:
     fwd = [r for r in result["results"] if r["pass"] == "fwd"]
     seqs = sorted({r["seq"] for r in fwd})
     configs = list(dict.fromkeys(r["config"] for r in fwd))
-    fig, axes = plt.subplots(1, len(seqs), figsize=(6 * len(seqs), 5), squeeze=False)
+    fig, axes = plt.subplots(1, len(seqs), figsize=(max(9, 6 * len(seqs)), 5), squeeze=False)
     for ax, seq in zip(axes[0], seqs):
         by_config = {r["config"]: r["ms"] for r in fwd if r["seq"] == seq}
         names = [c for c in configs if c in by_config]
@@ -230,7 +230,8 @@ def _plot(result: dict, path: Path) -> None:
         ax.set_title(f"S = {seq:,} (forward)")
         ax.set_xlabel("ms (log)")
         ax.invert_yaxis()
-    fig.suptitle(f"flexsparse on {result['device']}, torch {result['torch']}, B=1 H=32 H_kv=8 d=128 bf16")
+    fig.suptitle(f"flexsparse on {result['device']}, torch {result['torch']}, B=1 H=32 H_kv=8 d=128 bf16",
+                 fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
