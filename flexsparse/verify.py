@@ -54,11 +54,12 @@ class ReceptiveFieldReport:
         return "\n".join(lines)
 
 
-LayerLike = object  # a Pattern, a per-head list of Patterns, a HybridAttention, or (HybridAttention, modes)
+def layer_pattern(layer) -> Pattern:
+    """The pattern whose union over heads is one layer's information flow.
 
-
-def layer_pattern(layer: LayerLike) -> Pattern:
-    """The pattern whose union over heads is one layer's information flow."""
+    ``layer``: a Pattern, a list of per-head Patterns, a HybridAttention (its default modes) or a
+    (HybridAttention, modes) pair.
+    """
     from flexsparse.attention import HybridAttention
 
     modes = None

@@ -7,7 +7,9 @@ PARTIAL otherwise, so the kernel evaluates ``mask_mod`` wherever the parts disag
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import operator
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -27,43 +29,53 @@ def _check_patterns(patterns: Sequence[Pattern], what: str) -> tuple[Pattern, ..
     return patterns
 
 
-class Union(Pattern):
-    """A query attends a key if any part lets it."""
+class _Combination(Pattern):
+    """Parts joined pair by pair with ``join`` (``|`` for Union, ``&`` for Intersection)."""
 
-    name = "union"
+    symbol: str
+    join: Callable[[Tensor, Tensor], Tensor]
 
     def __init__(self, *parts: Pattern) -> None:
-        self.parts = _check_patterns(parts, "Union")
-        self.is_full = any(p.is_full for p in self.parts)
+        self.parts = _check_patterns(parts, type(self).__name__)
 
     def __repr__(self) -> str:
-        return " | ".join(map(repr, self.parts))
-
-    def mask_mod(self, geo: Geometry) -> MaskMod:
-        mods = [p.mask_mod(geo) for p in self.parts]
-
-        def union_mask(b, h, q_idx, kv_idx):
-            result = mods[0](b, h, q_idx, kv_idx)
-            for mod in mods[1:]:
-                result = result | mod(b, h, q_idx, kv_idx)
-            return result
-
-        return union_mask
-
-    def block_classes(self, geo: Geometry) -> Tensor:
-        classes = torch.broadcast_tensors(*[p.block_classes(geo) for p in self.parts])
-        stacked = torch.stack(classes)
-        return classify(full=(stacked == FULL).any(0), empty=(stacked == EMPTY).all(0))
-
-    def dense(self, geo: Geometry) -> Tensor:
-        result = self.parts[0].dense(geo)
-        for p in self.parts[1:]:
-            result = result | p.dense(geo)
-        return result
+        return f" {self.symbol} ".join(map(repr, self.parts))
 
     @property
     def required_heads(self) -> int | None:
         return _required_heads(self.parts)
+
+    def mask_mod(self, geo: Geometry) -> MaskMod:
+        mods, join = [p.mask_mod(geo) for p in self.parts], self.join
+
+        def combined_mask(b, h, q_idx, kv_idx):
+            result = mods[0](b, h, q_idx, kv_idx)
+            for mod in mods[1:]:
+                result = join(result, mod(b, h, q_idx, kv_idx))
+            return result
+
+        return combined_mask
+
+    def block_classes(self, geo: Geometry) -> Tensor:
+        stacked = torch.stack(torch.broadcast_tensors(*[p.block_classes(geo) for p in self.parts]))
+        return self._classes(stacked == FULL, stacked == EMPTY)
+
+    def dense(self, geo: Geometry) -> Tensor:
+        return functools.reduce(self.join, (p.dense(geo) for p in self.parts))
+
+
+class Union(_Combination):
+    """A query attends a key if any part lets it."""
+
+    name, symbol, join = "union", "|", staticmethod(operator.or_)
+
+    @property
+    def is_full(self) -> bool:
+        return any(p.is_full for p in self.parts)
+
+    @staticmethod
+    def _classes(full: Tensor, empty: Tensor) -> Tensor:
+        return classify(full=full.any(0), empty=empty.all(0))
 
     def key_runs(self, geo: Geometry, positions: Tensor) -> tuple[Tensor, Tensor]:
         runs = [p.key_runs(geo, positions) for p in self.parts]
@@ -74,43 +86,18 @@ class Union(Pattern):
         return first.permute(2, 0, 1), last.permute(2, 0, 1)
 
 
-class Intersection(Pattern):
+class Intersection(_Combination):
     """A query attends a key if every part lets it."""
 
-    name = "intersection"
-
-    def __init__(self, *parts: Pattern) -> None:
-        self.parts = _check_patterns(parts, "Intersection")
-        self.is_full = all(p.is_full for p in self.parts)
-
-    def __repr__(self) -> str:
-        return " & ".join(map(repr, self.parts))
-
-    def mask_mod(self, geo: Geometry) -> MaskMod:
-        mods = [p.mask_mod(geo) for p in self.parts]
-
-        def intersection_mask(b, h, q_idx, kv_idx):
-            result = mods[0](b, h, q_idx, kv_idx)
-            for mod in mods[1:]:
-                result = result & mod(b, h, q_idx, kv_idx)
-            return result
-
-        return intersection_mask
+    name, symbol, join = "intersection", "&", staticmethod(operator.and_)
 
     @property
-    def required_heads(self) -> int | None:
-        return _required_heads(self.parts)
+    def is_full(self) -> bool:
+        return all(p.is_full for p in self.parts)
 
-    def block_classes(self, geo: Geometry) -> Tensor:
-        classes = torch.broadcast_tensors(*[p.block_classes(geo) for p in self.parts])
-        stacked = torch.stack(classes)
-        return classify(full=(stacked == FULL).all(0), empty=(stacked == EMPTY).any(0))
-
-    def dense(self, geo: Geometry) -> Tensor:
-        result = self.parts[0].dense(geo)
-        for p in self.parts[1:]:
-            result = result & p.dense(geo)
-        return result
+    @staticmethod
+    def _classes(full: Tensor, empty: Tensor) -> Tensor:
+        return classify(full=full.all(0), empty=empty.any(0))
 
 
 def _required_heads(parts: Sequence[Pattern]) -> int | None:
