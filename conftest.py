@@ -1,3 +1,5 @@
+"""Shared by tests/ and bench/: tests marked `gpu` skip on machines without CUDA."""
+
 import pytest
 import torch
 
