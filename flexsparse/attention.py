@@ -228,6 +228,7 @@ class HybridAttention(nn.Module):
         self.pattern_names = list(self.patterns)
         self._pattern_list = list(self.patterns.values())
         self.register_buffer("default_modes", self._modes_from_names(modes), persistent=False)
+        self._default_mode_list = self.default_modes.tolist()  # host copy: no device sync per call
         self._uniform_mode = self._single_mode(self.default_modes)
         self._plans: OrderedDict[tuple, _GeometryPlan] = OrderedDict()
         self._any_dynamic = any(p.is_dynamic for p in self._pattern_list)
@@ -260,6 +261,7 @@ class HybridAttention(nn.Module):
     def set_modes(self, modes: Sequence[str | int] | Tensor) -> None:
         """Change the default modes (per KV head)."""
         self.default_modes = self._modes_from_names(modes).to(self.default_modes.device)
+        self._default_mode_list = self.default_modes.tolist()  # host copy: no device sync per call
         self._uniform_mode = self._single_mode(self.default_modes)
         self._default_head_modes.clear()
         for plan in self._plans.values():
@@ -435,7 +437,7 @@ class HybridAttention(nn.Module):
         if self.plan == "fused" or (self.plan == "auto" and (modes is not None or q.device.type != "cuda")):
             return None
         if modes is None:
-            kv_modes = self.default_modes.tolist()
+            kv_modes = self._default_mode_list
         elif modes.dim() == 1 or modes.shape[0] == 1:
             kv_modes = modes.flatten().tolist()  # host sync: plan="split" was asked for with per-call modes
         else:

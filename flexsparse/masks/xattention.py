@@ -208,6 +208,7 @@ class XAttention(Pattern):
         if thresholds.numel() == 0 or not bool(((thresholds > 0) & (thresholds <= 1)).all()):
             raise ValueError(f"threshold must be in (0, 1], got {threshold}")
         self.threshold, self.stride, self.block_size, self.compile = thresholds, stride, block_size, compile
+        self._thresholds_on: dict[torch.device, Tensor] = {}
 
     def __repr__(self) -> str:
         t = self.threshold
@@ -227,7 +228,9 @@ class XAttention(Pattern):
     def select(self, q: Tensor, k: Tensor) -> Tensor:
         """Selected blocks, bool ``[B, H_q, QB, KB]``."""
         mass = self.estimate(q, k)
-        threshold = self.threshold.to(mass.device)
+        threshold = self._thresholds_on.get(mass.device)
+        if threshold is None:  # copied to each device once, not per call
+            threshold = self._thresholds_on[mass.device] = self.threshold.to(mass.device)
         if threshold.numel() not in (1, q.shape[1]):
             raise ValueError(f"threshold has {threshold.numel()} values, q has {q.shape[1]} heads")
         return select_blocks(mass, threshold.expand(q.shape[1]))
