@@ -7,7 +7,7 @@ import sys
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from flexsparse.demo import run_demo
+    from flexsparse.tools.demo import run_demo
 
     run_demo(device=args.device, backend=args.backend, seq=args.seq)
     return 0
@@ -43,8 +43,8 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
-    from flexsparse.pictures import draw_masks
     from flexsparse.specs import parse_pattern
+    from flexsparse.tools.pictures import draw_masks
 
     if args.layers:
         rows = [(f"layer {i}", parse_pattern(args.pattern, layer_idx=i)) for i in range(args.layers)]
@@ -56,7 +56,7 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from flexsparse.bench import run_bench
+    from flexsparse.tools.bench import run_bench
 
     run_bench(args.seq, backward=not args.forward_only, out_dir=args.out, only=args.only)
     return 0

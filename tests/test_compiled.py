@@ -9,12 +9,11 @@ import pytest
 import torch
 
 import flexsparse.attention
-
 from flexsparse import HybridAttention
 from flexsparse.attention import RecompileLimitError
 from flexsparse.masks import Causal, SinkWindow, XAttention
-from tests.test_hybrid_attention import ATOL, dense_mask, qkv
 from flexsparse.reference import attention as reference
+from tests.test_hybrid_attention import ATOL, dense_mask, qkv
 
 pytestmark = pytest.mark.compiled
 

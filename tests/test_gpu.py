@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from flexsparse import HybridAttention
+from flexsparse.kernels.xa_estimate import antidiagonal_block_mass
 from flexsparse.masks import ESA, Causal, SinkWindow, TriangleMix, XAttention
-from flexsparse.masks.xattention import antidiagonal_block_mass
 from flexsparse.reference import attention as reference
 
 pytestmark = pytest.mark.gpu

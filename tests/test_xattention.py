@@ -6,8 +6,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from flexsparse import HybridAttention
+from flexsparse.kernels.xa_estimate import antidiagonal_block_mass
 from flexsparse.masks import Causal, Geometry, SinkWindow, TriangleMix, XAttention
-from flexsparse.masks.xattention import antidiagonal_block_mass, select_blocks
+from flexsparse.masks.xa_selection import select_blocks
 from flexsparse.reference import attention as reference
 from flexsparse.verify import causal, receptive_field
 from tests.test_hybrid_attention import ATOL, qkv

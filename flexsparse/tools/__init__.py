@@ -1,0 +1,1 @@
+"""The commands' implementations: `flexsparse demo` (demo.py), `flexsparse bench` (bench.py), pictures (pictures.py)."""
