@@ -394,9 +394,9 @@ def causal(layer, seq_len: int, *, kv_len: int | None = None, block_size: int = 
     pattern = layer_pattern(layer)
     geo = Geometry(pattern.required_heads or 1, seq_len, kv_len or seq_len, block_size)
     classes = pattern.block_classes(geo)
-    q_lo, _ = geo.q_block_bounds()
-    _, kv_hi = geo.kv_block_bounds()
-    risky = (classes != EMPTY) & (kv_hi - 1 > q_lo)  # [B', H', QB, KB]
+    q_first, _ = geo.q_tile_bounds()
+    _, kv_last = geo.kv_tile_bounds()
+    risky = (classes != EMPTY) & (kv_last > q_first)  # [B', H', QB, KB]
     mask_mod = pattern.mask_mod(geo)
     violations = []
     for b, h, qb, kb in risky.nonzero().tolist():

@@ -8,9 +8,8 @@ from unittest.mock import patch
 import pytest
 import torch
 
-import flexsparse.attention
-from flexsparse import HybridAttention
-from flexsparse.attention import RecompileLimitError
+import flexsparse.runtime.compiled
+from flexsparse import HybridAttention, RecompileLimitError
 from flexsparse.masks import Causal, SinkWindow, XAttention
 from flexsparse.reference import attention as reference
 from tests.test_hybrid_attention import ATOL, dense_mask, qkv
@@ -52,7 +51,7 @@ def test_fifty_routings_cause_no_recompile(warm):
 
 def test_recompile_limit_raises_instead_of_unfused_fallback(warm):
     attn, _ = warm
-    with patch.object(flexsparse.attention, "MAX_COMPILED_VARIANTS", 1), torch._dynamo.config.patch(recompile_limit=1):
+    with patch.object(flexsparse.runtime.compiled, "MAX_COMPILED_VARIANTS", 1), torch._dynamo.config.patch(recompile_limit=1):
         with pytest.raises(RecompileLimitError, match="refuses the unfused fallback"):
             attn(*qkv(BATCH, HEADS, KV_HEADS, SEQ + 7), modes=torch.tensor([0, 1]))
 

@@ -200,18 +200,26 @@ def test_split_plan_matches_fused_and_reference(modes):
     assert split.last_stats.msr == 0.5
 
 
-def test_split_plan_errors():
+def test_split_plan_runs_decode_and_per_call_modes():
+    """Decode sends full heads to SDPA with a position mask; per-call mode tensors run fused (no host sync)."""
     split = HybridAttention(4, 2, 16, PATTERNS, ["full", "ssa"], backend="flex_eager", plan="split")
-    with pytest.raises(ValueError, match="q_len == kv_len"):
-        split(*qkv(1, 4, 2, 20, kv=40))
-    with pytest.raises(ValueError, match="shape \\[H_kv\\]"):
-        split(*qkv(2, 4, 2, 20), modes=torch.tensor([[0, 1], [1, 0]]))
+    q, k, v = qkv(1, 4, 2, 20, kv=40)
+    torch.testing.assert_close(split(q, k, v), reference(q, k, v, split.reference_mask(q, k)), atol=ATOL, rtol=0)
+    q, k, v = qkv(2, 4, 2, 20)
+    routed = torch.tensor([[0, 1], [1, 0]])
+    torch.testing.assert_close(split(q, k, v, modes=routed), reference(q, k, v, split.reference_mask(q, k, routed)),
+                               atol=ATOL, rtol=0)
     with pytest.raises(ValueError, match="plan"):
         HybridAttention(4, 2, 16, PATTERNS, plan="serial")
 
 
 def test_auto_plan_cost_model_prefers_split_only_for_long_sequences():
-    attn = HybridAttention(32, 8, 128, PATTERNS, ["full"] * 2 + ["ssa"] * 6)
-    short, long = torch.empty(1, 32, 2048, 128), torch.empty(1, 32, 65536, 128)
-    assert not attn._split_pays(short, 2)
-    assert attn._split_pays(long, 2)
+    from flexsparse.runtime.call import AttentionCall
+    from flexsparse.runtime.plan import split_pays
+
+    def call(seq):
+        q, k = torch.empty(1, 32, seq, 128), torch.empty(1, 8, seq, 128)
+        return AttentionCall(q, k, k, 1.0, Geometry(32, seq), needs_grad=False)
+
+    assert not split_pays(call(2048), 2)
+    assert split_pays(call(65536), 2)

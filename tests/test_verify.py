@@ -112,9 +112,9 @@ class PeeksAhead(Pattern):
         return lambda b, h, q, k: (k <= q + 1)
 
     def block_classes(self, geo):
-        q_lo, q_hi = geo.q_block_bounds()
-        kv_lo, kv_hi = geo.kv_block_bounds()
-        return classify(full=kv_hi - 1 <= q_lo, empty=kv_lo > q_hi)[None, None]
+        q_first, q_last = geo.q_tile_bounds()
+        kv_first, kv_last = geo.kv_tile_bounds()
+        return classify(full=kv_last <= q_first, empty=kv_first > q_last + 1)
 
     def dense(self, geo):
         return torch.ones(geo.q_len, geo.kv_len, dtype=torch.bool).tril(1)[None, None]

@@ -64,7 +64,7 @@ def runs_to_rows(first: Tensor, last: Tensor, kv_len: int) -> Tensor:
 
 def assert_key_runs_match_dense(pattern: Pattern, geo: Geometry) -> None:
     """key_runs: runs ascending, disjoint, non-empty ones first, and together exactly the dense rows."""
-    positions = geo.q_positions()
+    positions = geo.q_positions()[0]
     first, last = (t.permute(1, 2, 0) for t in pattern.key_runs(geo, positions))  # [H', P, R]
     dense = pattern.dense(geo)[0]
     rows = runs_to_rows(first, last, geo.kv_len)

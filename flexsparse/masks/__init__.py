@@ -1,10 +1,12 @@
-"""Attention patterns: composable FlexAttention mask_mod / BlockMask generators with dense references."""
+"""Attention patterns: composable FlexAttention mask_mod / BlockMask generators over token positions, with dense
+references."""
 
-from flexsparse.masks.base import EMPTY, FULL, PARTIAL, Geometry, MaskMod, Pattern
+from flexsparse.masks.base import Intersection, MaskMod, Pattern, Union
 from flexsparse.masks.block_table import BlockTable
 from flexsparse.masks.blocks import BlockMaskStack, block_density, block_mask_from_classes
-from flexsparse.masks.combine import Intersection, PerHead, PerLayer, Union, dispatch_mask_mod
+from flexsparse.masks.combine import PerHead, PerLayer, dispatch_mask_mod, gather_heads
 from flexsparse.masks.esa import ESA
+from flexsparse.masks.geometry import EMPTY, FULL, PARTIAL, Geometry, Positions
 from flexsparse.masks.triangle import TriangleMix
 from flexsparse.masks.window import Causal, SinkWindow
 from flexsparse.masks.xattention import XAttention
@@ -23,6 +25,7 @@ __all__ = [
     "Pattern",
     "PerHead",
     "PerLayer",
+    "Positions",
     "SinkWindow",
     "TriangleMix",
     "Union",
@@ -30,4 +33,5 @@ __all__ = [
     "block_density",
     "block_mask_from_classes",
     "dispatch_mask_mod",
+    "gather_heads",
 ]

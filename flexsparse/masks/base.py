@@ -1,98 +1,34 @@
-"""The Pattern protocol: what every attention pattern answers for a given geometry.
+"""The Pattern protocol, and the union and intersection of patterns.
 
-A pattern decides which keys each query may attend to. For a :class:`Geometry` it gives
+A pattern decides which keys each query may attend, by token position (:mod:`flexsparse.masks.geometry`). For a
+:class:`Geometry` it gives
 
 1. ``mask_mod(geo)``: a FlexAttention ``mask_mod(b, h, q_idx, kv_idx) -> bool`` closure;
-2. ``block_classes(geo)``: for every (query block, key block) whether it is empty, partial or full, in closed
-   form; :meth:`Pattern.block_mask` turns this into a ``BlockMask`` with full blocks marked;
+2. ``block_classes(geo)``: for every (query tile, key tile) whether it is empty, partial or full, in closed form;
+   :meth:`Pattern.block_mask` turns this into a ``BlockMask`` with full tiles marked;
 3. ``dense(geo)``: the boolean reference ``[B', H', Q, KV]`` built independently of ``mask_mod``, for tests;
-4. ``attended(geo)``: how many keys each query attends to, ``[B', H', Q]``.
+4. ``attended(geo)``: how many keys each query attends, ``[B', H', Q]``;
+5. ``key_runs(geo, positions)``: the attended keys of given positions as runs, for the receptive-field verifier.
 
-``B'`` is 1 for patterns that do not depend on the batch element and ``H'`` is 1 for patterns that treat all
-heads alike; both broadcast. Query ``i`` of ``q_len`` sits at absolute position ``i + kv_len - q_len`` (queries are
-the last positions, as in prefill with a cache or decode).
+``B'`` is 1 unless the geometry's positions differ per batch element, and ``H'`` is 1 for patterns that treat
+all heads alike; both broadcast. Every pattern is causal: a key at a later position is never attended.
 """
 
 from __future__ import annotations
 
+import functools
+import operator
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
+from flexsparse.masks.blocks import block_mask_from_classes
+from flexsparse.masks.geometry import EMPTY, FULL, Geometry, classify
+
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
-
-EMPTY, PARTIAL, FULL = 0, 1, 2
-"""Block classes: no pair attends / some pairs attend (the kernel evaluates mask_mod) / every pair attends."""
-
-MAX_DENSE_ELEMENTS = 1 << 28
-"""Largest B*H*Q*KV a dense reference may materialise (256 Mi booleans)."""
-
-
-@dataclass(frozen=True)
-class Geometry:
-    """Sizes a pattern is asked about.
-
-    ``num_heads`` is the number of query heads, ``block_size`` the BlockMask tile (tokens, square tiles).
-    """
-
-    num_heads: int
-    q_len: int
-    kv_len: int | None = None
-    block_size: int = 128
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-
-    def __post_init__(self) -> None:
-        if self.kv_len is None:
-            object.__setattr__(self, "kv_len", self.q_len)
-        object.__setattr__(self, "device", torch.device(self.device))
-        for name in ("num_heads", "q_len", "kv_len", "block_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"Geometry.{name} must be a positive int, got {value!r}")
-        if self.q_len > self.kv_len:
-            raise ValueError(f"Geometry.q_len ({self.q_len}) must not exceed kv_len ({self.kv_len})")
-
-    @property
-    def offset(self) -> int:
-        """Absolute position of query 0."""
-        return self.kv_len - self.q_len
-
-    @property
-    def num_q_blocks(self) -> int:
-        return -(-self.q_len // self.block_size)
-
-    @property
-    def num_kv_blocks(self) -> int:
-        return -(-self.kv_len // self.block_size)
-
-    def q_positions(self) -> Tensor:
-        """Absolute positions of the queries, int64 ``[Q]``."""
-        return torch.arange(self.q_len, device=self.device) + self.offset
-
-    def q_block_bounds(self) -> tuple[Tensor, Tensor]:
-        """First and one-past-last absolute query position of each query block, int64 ``[QB, 1]`` each."""
-        start = torch.arange(self.num_q_blocks, device=self.device) * self.block_size
-        stop = torch.clamp(start + self.block_size, max=self.q_len)
-        return (start + self.offset)[:, None], (stop + self.offset)[:, None]
-
-    def kv_block_bounds(self) -> tuple[Tensor, Tensor]:
-        """First and one-past-last key position of each key block, int64 ``[1, KB]`` each."""
-        start = torch.arange(self.num_kv_blocks, device=self.device) * self.block_size
-        stop = torch.clamp(start + self.block_size, max=self.kv_len)
-        return start[None, :], stop[None, :]
-
-    def dense_grid(self) -> tuple[Tensor, Tensor]:
-        """Absolute query positions ``[Q, 1]`` and key positions ``[1, KV]``, bounded for dense references."""
-        if self.num_heads * self.q_len * self.kv_len > MAX_DENSE_ELEMENTS:
-            raise ValueError(
-                f"a dense reference of {self.num_heads} x {self.q_len} x {self.kv_len} exceeds "
-                f"{MAX_DENSE_ELEMENTS} elements; dense references are for small test sizes"
-            )
-        return self.q_positions()[:, None], torch.arange(self.kv_len, device=self.device)[None, :]
 
 
 def runs_from_rows(rows: Tensor) -> tuple[Tensor, Tensor]:
@@ -120,30 +56,28 @@ def normalize_runs(first: Tensor, last: Tensor) -> tuple[Tensor, Tensor]:
     reach = torch.where(empty, -2, last).cummax(-1).values  # furthest key covered by runs so far
     opens = ~empty & torch.cat([torch.ones_like(empty[..., :1]), first[..., 1:] > reach[..., :-1] + 1], -1)
     group = opens.cumsum(-1) - 1  # merged run index of each run
-    width = first.shape[-1]
     merged_first = torch.full_like(first, 1).scatter_reduce(-1, group.clamp(min=0), torch.where(opens, first, big),
                                                             "amin", include_self=False)
     merged_last = torch.zeros_like(last).scatter_reduce(-1, group.clamp(min=0), torch.where(empty, -1, last),
                                                         "amax", include_self=False)
-    count = opens.sum(-1, keepdim=True)
-    valid = torch.arange(width, device=first.device) < count
+    valid = torch.arange(first.shape[-1], device=first.device) < opens.sum(-1, keepdim=True)
     return torch.where(valid, merged_first, 1), torch.where(valid, merged_last, 0)
 
 
-def classify(full: Tensor, empty: Tensor) -> Tensor:
-    """Block classes (int8) from boolean 'every pair attends' and 'no pair attends' tensors."""
-    return torch.where(full, FULL, torch.where(empty, EMPTY, PARTIAL)).to(torch.int8)
+def run_lengths(first: Tensor, last: Tensor) -> Tensor:
+    """Keys covered by disjoint runs ``[R, ...]``, summed over R."""
+    return torch.clamp(last - first + 1, min=0).sum(0)
 
 
 class Pattern(ABC):
-    """An attention pattern. Subclasses implement the four capabilities for a :class:`Geometry`."""
+    """An attention pattern. Subclasses implement the capabilities for a :class:`Geometry`."""
 
     name: str = "pattern"
     is_full: bool = False
-    """True for full causal attention (FA): such heads count as dense in MSR/ESR."""
+    """True for full causal attention (FA): such heads count as dense in MSR/ESR and may run on SDPA."""
 
-    def resolve(self, q: Tensor, k: Tensor) -> Pattern:
-        """The static pattern to use for these queries/keys. Content-dependent patterns (XA) override this."""
+    def resolve(self, q: Tensor, k: Tensor, geo: Geometry) -> Pattern:
+        """The static pattern for these queries/keys. Content-dependent patterns (XA) override this."""
         return self
 
     @property
@@ -157,11 +91,11 @@ class Pattern(ABC):
 
     @abstractmethod
     def block_classes(self, geo: Geometry) -> Tensor:
-        """int8 ``[B', H', QB, KB]`` of EMPTY / PARTIAL / FULL, without an O(Q*KV) scan."""
+        """int8 ``[B', H', QB, KB]`` of EMPTY / PARTIAL / FULL from the tile bounds, without an O(Q*KV) scan."""
 
     @abstractmethod
     def dense(self, geo: Geometry) -> Tensor:
-        """Boolean reference ``[B', H', Q, KV]`` (small sizes only)."""
+        """Boolean reference ``[B', H', Q, KV]`` (small sizes; O(B' H' Q KV))."""
 
     def attended(self, geo: Geometry) -> Tensor:
         """Keys attended per query, int64 ``[B', H', Q]``. Default: counted from :meth:`dense`."""
@@ -173,7 +107,7 @@ class Pattern(ABC):
         return None
 
     def key_runs(self, geo: Geometry, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """Keys attended by the given absolute query positions as runs of consecutive keys.
+        """Keys attended by the given query positions (one sequence, ``geo`` contiguous) as runs.
 
         Returns (first, last), integer ``[R, H', P]`` (slot-major, the layout the receptive-field verifier
         scans): per head and query, R runs ``first..last`` (inclusive), the non-empty ones first, ascending and
@@ -197,20 +131,141 @@ class Pattern(ABC):
         return first.T, last.T
 
     def block_mask(self, geo: Geometry) -> BlockMask:
-        """BlockMask with partial and full blocks from :meth:`block_classes`."""
-        from flexsparse.masks.blocks import block_mask_from_classes
-
-        return block_mask_from_classes(self.block_classes(geo), geo, self.mask_mod(geo))
+        """BlockMask with partial and full tiles from :meth:`block_classes` (padding tiles made exact)."""
+        return block_mask_from_classes(geo.restrict(self.block_classes(geo)), geo, self.mask_mod(geo))
 
     def __or__(self, other: Pattern) -> Pattern:
-        from flexsparse.masks.combine import Union
-
         return Union(self, other)
 
     def __and__(self, other: Pattern) -> Pattern:
-        from flexsparse.masks.combine import Intersection
-
         return Intersection(self, other)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+def check_patterns(patterns: Sequence[Pattern], what: str) -> tuple[Pattern, ...]:
+    """The patterns as a non-empty tuple, or a TypeError / ValueError naming ``what``."""
+    if isinstance(patterns, Pattern) or not isinstance(patterns, Sequence):
+        raise TypeError(f"{what} takes a sequence of Pattern instances, got {type(patterns).__name__}")
+    patterns = tuple(patterns)
+    if not patterns:
+        raise ValueError(f"{what} needs at least one pattern")
+    for p in patterns:
+        if not isinstance(p, Pattern):
+            raise TypeError(f"{what} takes Pattern instances, got {type(p).__name__}")
+    return patterns
+
+
+def required_heads_of(parts: Sequence[Pattern]) -> int | None:
+    """The head count the parts are defined for (None if none requires one); differing counts are an error."""
+    heads = {p.required_heads for p in parts} - {None}
+    if len(heads) > 1:
+        raise ValueError(f"parts are defined for different head counts: {sorted(heads)}")
+    return heads.pop() if heads else None
+
+
+class _Combination(Pattern):
+    """Parts joined pair by pair with ``join`` (``|`` for Union, ``&`` for Intersection)."""
+
+    symbol: str
+    join: Callable[[Tensor, Tensor], Tensor]
+
+    def __init__(self, *parts: Pattern) -> None:
+        self.parts = check_patterns(parts, type(self).__name__)
+        required_heads_of(self.parts)
+        if any(p.is_dynamic for p in self.parts):
+            raise ValueError(f"{type(self).__name__} of a content-dependent pattern: resolve it on q/k first")
+
+    def __repr__(self) -> str:
+        return f" {self.symbol} ".join(map(repr, self.parts))
+
+    @property
+    def required_heads(self) -> int | None:
+        return required_heads_of(self.parts)
+
+    def mask_mod(self, geo: Geometry) -> MaskMod:
+        mods, join = [p.mask_mod(geo) for p in self.parts], self.join
+
+        def combined_mask(b, h, q_idx, kv_idx):
+            result = mods[0](b, h, q_idx, kv_idx)
+            for mod in mods[1:]:
+                result = join(result, mod(b, h, q_idx, kv_idx))
+            return result
+
+        return combined_mask
+
+    def block_classes(self, geo: Geometry) -> Tensor:
+        stacked = torch.stack(torch.broadcast_tensors(*[p.block_classes(geo) for p in self.parts]))
+        return self._classes(stacked == FULL, stacked == EMPTY)
+
+    def dense(self, geo: Geometry) -> Tensor:
+        return functools.reduce(self.join, (p.dense(geo) for p in self.parts))
+
+    def key_runs(self, geo: Geometry, positions: Tensor) -> tuple[Tensor, Tensor]:
+        runs = [p.key_runs(geo, positions) for p in self.parts]
+        heads = max(first.shape[1] for first, _ in runs)
+        runs = [(f.expand(-1, heads, -1), l.expand(-1, heads, -1)) for f, l in runs]
+        return self._combined_runs(runs)  # each subclass: [R_i, H', P] parts -> [R, H', P] ascending, disjoint
+
+    def attended(self, geo: Geometry) -> Tensor:
+        """Closed form from the key runs, O(H' Q R): no dense mask, so it works at any length.
+
+        Positions that differ per batch element are counted per element (one host read of the sequence ends).
+        """
+        positions = geo.q_positions()  # [B', Q]
+        ends = [geo.kv_len] if geo.is_contiguous else geo.sequence_ends().tolist()
+        counts = []
+        for b, end in enumerate(ends):
+            row = positions[b if positions.shape[0] > 1 else 0]
+            real = row >= 0
+            line = Geometry(geo.num_heads, max(end, 1), device=geo.device)
+            first, last = self.key_runs(line, torch.where(real, row, 0))
+            counts.append(torch.where(real, run_lengths(first, last), 0))
+        return torch.stack(counts)
+
+
+class Union(_Combination):
+    """A query attends a key if any part lets it."""
+
+    name, symbol, join = "union", "|", staticmethod(operator.or_)
+
+    @property
+    def is_full(self) -> bool:
+        return any(p.is_full for p in self.parts)
+
+    @staticmethod
+    def _classes(full: Tensor, empty: Tensor) -> Tensor:
+        return classify(full=full.any(0), empty=empty.all(0))
+
+    def _combined_runs(self, runs):
+        first = torch.cat([f for f, _ in runs]).permute(1, 2, 0)
+        last = torch.cat([l for _, l in runs]).permute(1, 2, 0)
+        first, last = normalize_runs(first, last)
+        return first.permute(2, 0, 1), last.permute(2, 0, 1)
+
+
+class Intersection(_Combination):
+    """A query attends a key if every part lets it."""
+
+    name, symbol, join = "intersection", "&", staticmethod(operator.and_)
+
+    @property
+    def is_full(self) -> bool:
+        return all(p.is_full for p in self.parts)
+
+    @staticmethod
+    def _classes(full: Tensor, empty: Tensor) -> Tensor:
+        return classify(full=full.all(0), empty=empty.any(0))
+
+    def _combined_runs(self, runs):
+        """Pairwise intersections of the runs of two parts (O(R_a R_b) per query), folded over the parts."""
+        first, last = runs[0]
+        for other_first, other_last in runs[1:]:
+            lo = torch.maximum(first[:, None], other_first[None])  # [R_a, R_b, H', P]
+            hi = torch.minimum(last[:, None], other_last[None])
+            first, last = lo.flatten(0, 1), hi.flatten(0, 1)
+        empty = first > last
+        first, last = torch.where(empty, 1, first), torch.where(empty, 0, last)
+        first, last = normalize_runs(first.permute(1, 2, 0), last.permute(1, 2, 0))
+        return first.permute(2, 0, 1), last.permute(2, 0, 1)

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from flexsparse.masks.base import FULL, PARTIAL, Geometry, MaskMod
+from flexsparse.masks.geometry import FULL, PARTIAL, Geometry
 
 _INDEX_FIELDS = (
     "kv_num_blocks",
@@ -34,7 +34,7 @@ def _rows_to_indices(selected: Tensor) -> tuple[Tensor, Tensor]:
     return count, order
 
 
-def block_mask_from_classes(classes: Tensor, geo: Geometry, mask_mod: MaskMod) -> BlockMask:
+def block_mask_from_classes(classes: Tensor, geo: Geometry, mask_mod) -> BlockMask:
     """BlockMask from int8 block classes ``[B', H', QB, KB]``; full blocks go to the full-block tensors."""
     if classes.shape[-2:] != (geo.num_q_blocks, geo.num_kv_blocks):
         raise ValueError(
@@ -75,16 +75,18 @@ class BlockMaskStack:
             tensors[name] = torch.stack(parts).contiguous()
         return cls(tensors, tuple(masks[0].seq_lengths), tuple(masks[0].BLOCK_SIZE))
 
-    def select(self, modes: Tensor, mask_mod: MaskMod, heads: Tensor | None = None,
+    def select(self, modes: Tensor, mask_mod, heads: Tensor | None = None,
                with_backward: bool = True) -> BlockMask:
         """BlockMask whose row (b, h) is row (b, heads[h]) of mask ``modes[b, h]``.
 
-        ``modes`` int ``[B, H_sel]``; ``heads`` the selected heads (default: all, in order). Without
+        ``modes`` int ``[B or 1, H_sel]``; ``heads`` the selected heads (default: all, in order). Without
         ``with_backward`` only the kv-side tensors are gathered (the transposed ones serve the backward pass
         only), which halves the traffic of a mode switch.
         """
         stacked_batch = self.tensors["kv_num_blocks"].shape[1]
-        batch, n_heads = modes.shape
+        n_heads = modes.shape[1]
+        batch = max(modes.shape[0], stacked_batch)
+        modes = modes.expand(batch, n_heads)
         b_index = torch.arange(batch, device=modes.device)[:, None]
         if stacked_batch == 1:
             b_index = torch.zeros_like(b_index)
@@ -101,10 +103,12 @@ class BlockMaskStack:
 
 
 def block_density(mask: BlockMask, geo: Geometry) -> Tensor:
-    """Fraction of the causal (query block, key block) tiles that the mask computes; float32 scalar tensor."""
-    computed = mask.kv_num_blocks.sum(dtype=torch.float32) + mask.full_kv_num_blocks.sum(dtype=torch.float32)
-    q_lo, q_hi = geo.q_block_bounds()
-    kv_lo, _ = geo.kv_block_bounds()
-    causal_tiles = (kv_lo <= q_hi - 1).sum(dtype=torch.float32)
-    rows = mask.kv_num_blocks.shape[0] * mask.kv_num_blocks.shape[1]
-    return computed / (causal_tiles * rows)
+    """Fraction of the causal (query tile, key tile) pairs holding real tokens that the mask computes;
+    float32 scalar tensor (the mean over batch elements)."""
+    computed = (mask.kv_num_blocks.sum(dim=(1, 2), dtype=torch.float32)
+                + mask.full_kv_num_blocks.sum(dim=(1, 2), dtype=torch.float32))  # [B]
+    _, q_last = geo.q_tile_bounds()
+    kv_first, _ = geo.kv_tile_bounds()
+    causal = geo.restrict(torch.where(kv_first <= q_last, PARTIAL, 0).to(torch.int8)) != 0
+    causal_tiles = causal.sum(dim=(1, 2, 3), dtype=torch.float32).clamp(min=1)  # [B']
+    return (computed / (causal_tiles * mask.kv_num_blocks.shape[1])).mean()

@@ -1,110 +1,20 @@
-"""Combinators: union, intersection, per-head selection and per-layer selection of patterns.
+"""Per-head and per-layer selection of patterns (union and intersection live in base.py).
 
-Each combinator is itself a :class:`Pattern`, so combinations nest and keep all four capabilities.
-Block classes combine conservatively: a tile is FULL only when that is certain from the parts' classes and
-PARTIAL otherwise, so the kernel evaluates ``mask_mod`` wherever the parts disagree. That is always exact.
+Each per-head selection is itself a :class:`Pattern`, so selections nest and keep all the capabilities.
 """
 
 from __future__ import annotations
 
-import functools
-import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from flexsparse.masks.base import EMPTY, FULL, Geometry, MaskMod, Pattern, classify, normalize_runs
+from flexsparse.masks.base import MaskMod, Pattern, check_patterns
 from flexsparse.masks.blocks import BlockMaskStack
-
-
-def _check_patterns(patterns: Sequence[Pattern], what: str) -> tuple[Pattern, ...]:
-    patterns = tuple(patterns)
-    if not patterns:
-        raise ValueError(f"{what} needs at least one pattern")
-    for p in patterns:
-        if not isinstance(p, Pattern):
-            raise TypeError(f"{what} takes Pattern instances, got {type(p).__name__}")
-    return patterns
-
-
-class _Combination(Pattern):
-    """Parts joined pair by pair with ``join`` (``|`` for Union, ``&`` for Intersection)."""
-
-    symbol: str
-    join: Callable[[Tensor, Tensor], Tensor]
-
-    def __init__(self, *parts: Pattern) -> None:
-        self.parts = _check_patterns(parts, type(self).__name__)
-
-    def __repr__(self) -> str:
-        return f" {self.symbol} ".join(map(repr, self.parts))
-
-    @property
-    def required_heads(self) -> int | None:
-        return _required_heads(self.parts)
-
-    def mask_mod(self, geo: Geometry) -> MaskMod:
-        mods, join = [p.mask_mod(geo) for p in self.parts], self.join
-
-        def combined_mask(b, h, q_idx, kv_idx):
-            result = mods[0](b, h, q_idx, kv_idx)
-            for mod in mods[1:]:
-                result = join(result, mod(b, h, q_idx, kv_idx))
-            return result
-
-        return combined_mask
-
-    def block_classes(self, geo: Geometry) -> Tensor:
-        stacked = torch.stack(torch.broadcast_tensors(*[p.block_classes(geo) for p in self.parts]))
-        return self._classes(stacked == FULL, stacked == EMPTY)
-
-    def dense(self, geo: Geometry) -> Tensor:
-        return functools.reduce(self.join, (p.dense(geo) for p in self.parts))
-
-
-class Union(_Combination):
-    """A query attends a key if any part lets it."""
-
-    name, symbol, join = "union", "|", staticmethod(operator.or_)
-
-    @property
-    def is_full(self) -> bool:
-        return any(p.is_full for p in self.parts)
-
-    @staticmethod
-    def _classes(full: Tensor, empty: Tensor) -> Tensor:
-        return classify(full=full.any(0), empty=empty.all(0))
-
-    def key_runs(self, geo: Geometry, positions: Tensor) -> tuple[Tensor, Tensor]:
-        runs = [p.key_runs(geo, positions) for p in self.parts]
-        heads = max(first.shape[1] for first, _ in runs)
-        first = torch.cat([f.expand(-1, heads, -1) for f, _ in runs]).permute(1, 2, 0)
-        last = torch.cat([l.expand(-1, heads, -1) for _, l in runs]).permute(1, 2, 0)
-        first, last = normalize_runs(first, last)
-        return first.permute(2, 0, 1), last.permute(2, 0, 1)
-
-
-class Intersection(_Combination):
-    """A query attends a key if every part lets it."""
-
-    name, symbol, join = "intersection", "&", staticmethod(operator.and_)
-
-    @property
-    def is_full(self) -> bool:
-        return all(p.is_full for p in self.parts)
-
-    @staticmethod
-    def _classes(full: Tensor, empty: Tensor) -> Tensor:
-        return classify(full=full.all(0), empty=empty.any(0))
-
-
-def _required_heads(parts: Sequence[Pattern]) -> int | None:
-    heads = {p.required_heads for p in parts} - {None}
-    if len(heads) > 1:
-        raise ValueError(f"parts are defined for different head counts: {sorted(heads)}")
-    return heads.pop() if heads else None
+from flexsparse.masks.geometry import Geometry
+from flexsparse.validation import as_int_list
 
 
 def dispatch_mask_mod(mask_mods: Sequence[MaskMod], modes: Tensor, heads: Tensor | None = None) -> MaskMod:
@@ -127,7 +37,7 @@ def dispatch_mask_mod(mask_mods: Sequence[MaskMod], modes: Tensor, heads: Tensor
     return per_head_mask
 
 
-def _gather_heads(per_pattern: list[Tensor], modes: Tensor) -> Tensor:
+def gather_heads(per_pattern: list[Tensor], modes: Tensor) -> Tensor:
     """Row (b, h) of ``per_pattern[modes[b, h]]``; each entry ``[B', H', ...]``, result ``[B, H, ...]``."""
     batch, heads = modes.shape
     b_max = max(max(t.shape[0] for t in per_pattern), batch)
@@ -142,10 +52,13 @@ class PerHead(Pattern):
     name = "per_head"
 
     def __init__(self, patterns: Sequence[Pattern], modes: Sequence[int] | Tensor) -> None:
-        self.patterns = _check_patterns(patterns, "PerHead")
-        modes = torch.as_tensor(modes)
-        if modes.dtype.is_floating_point or modes.dtype == torch.bool:
-            raise TypeError(f"modes must be an integer tensor, got {modes.dtype}")
+        self.patterns = check_patterns(patterns, "PerHead")
+        if not isinstance(modes, Tensor):
+            modes = torch.tensor(as_int_list("modes", modes), dtype=torch.long)
+        if modes.dtype.is_floating_point or modes.dtype.is_complex or modes.dtype == torch.bool:
+            raise TypeError(f"modes must be integers, got {modes.dtype}")
+        if modes.numel() == 0:
+            raise ValueError("modes must give one pattern index per head, got none")
         if modes.dim() == 1:
             modes = modes[None]
         if modes.dim() != 2:
@@ -167,17 +80,17 @@ class PerHead(Pattern):
         return dispatch_mask_mod([p.mask_mod(geo) for p in self.patterns], self._modes_for(geo))
 
     def block_classes(self, geo: Geometry) -> Tensor:
-        return _gather_heads([p.block_classes(geo) for p in self.patterns], self._modes_for(geo))
+        return gather_heads([p.block_classes(geo) for p in self.patterns], self._modes_for(geo))
 
     def block_mask(self, geo: Geometry) -> BlockMask:
         stack = BlockMaskStack.from_masks([p.block_mask(geo) for p in self.patterns], geo.num_heads)
         return stack.select(self._modes_for(geo), self.mask_mod(geo))
 
     def dense(self, geo: Geometry) -> Tensor:
-        return _gather_heads([p.dense(geo) for p in self.patterns], self._modes_for(geo))
+        return gather_heads([p.dense(geo) for p in self.patterns], self._modes_for(geo))
 
     def attended(self, geo: Geometry) -> Tensor:
-        return _gather_heads([p.attended(geo) for p in self.patterns], self._modes_for(geo))
+        return gather_heads([p.attended(geo) for p in self.patterns], self._modes_for(geo))
 
     @property
     def required_heads(self) -> int:
@@ -190,8 +103,8 @@ class PerHead(Pattern):
         width = max(f.shape[0] for f, _ in runs)
         # [R, H', P] -> [1, H', P, R] padded to a common R, so that heads can be gathered
         as_rows = lambda t, fill: torch.nn.functional.pad(t.permute(1, 2, 0), (0, width - t.shape[0]), value=fill)[None]
-        first = _gather_heads([as_rows(f, 1) for f, _ in runs], self._modes_for(geo))[0]
-        last = _gather_heads([as_rows(l, 0) for _, l in runs], self._modes_for(geo))[0]
+        first = gather_heads([as_rows(f, 1) for f, _ in runs], self._modes_for(geo))[0]
+        last = gather_heads([as_rows(l, 0) for _, l in runs], self._modes_for(geo))[0]
         return first.permute(2, 0, 1), last.permute(2, 0, 1)
 
 
@@ -199,8 +112,8 @@ class PerLayer(Sequence):
     """Layer l of a stack follows ``patterns[modes[l]]``; indexing gives that layer's pattern."""
 
     def __init__(self, patterns: Sequence[Pattern], modes: Sequence[int]) -> None:
-        self.patterns = _check_patterns(patterns, "PerLayer")
-        self.modes = [int(m) for m in modes]
+        self.patterns = check_patterns(patterns, "PerLayer")
+        self.modes = as_int_list("modes", modes)
         if not self.modes:
             raise ValueError("PerLayer needs at least one layer mode")
         bad = [m for m in self.modes if not 0 <= m < len(self.patterns)]

@@ -24,7 +24,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flexsparse.masks.base import Geometry, MaskMod, Pattern, classify
+from flexsparse.masks.base import MaskMod, Pattern
+from flexsparse.masks.geometry import Geometry, classify
+from flexsparse.validation import as_int
 
 _INT32_LIMIT = 2**31 - 1
 _QUERY_CHUNK = 4096
@@ -68,12 +70,8 @@ class ESA(Pattern):
     name = "esa"
 
     def __init__(self, layer_idx: int, num_layers: int, attn_length: int, num_heads: int) -> None:
-        for arg, value, minimum in (("num_layers", num_layers, 1), ("attn_length", attn_length, 1),
-                                    ("num_heads", num_heads, 1), ("layer_idx", layer_idx, 0)):
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise TypeError(f"{arg} must be an int, got {type(value).__name__}")
-            if value < minimum:
-                raise ValueError(f"{arg} must be >= {minimum}, got {value}")
+        num_layers, attn_length = as_int("num_layers", num_layers, 1), as_int("attn_length", attn_length, 1)
+        num_heads, layer_idx = as_int("num_heads", num_heads, 1), as_int("layer_idx", layer_idx, 0)
         if layer_idx >= num_layers:
             raise ValueError(f"layer_idx must be in [0, num_layers={num_layers}), got {layer_idx}")
         self.layer_idx, self.num_layers = layer_idx, num_layers
@@ -86,9 +84,9 @@ class ESA(Pattern):
     def _check(self, geo: Geometry) -> None:
         if geo.num_heads != self.num_heads:
             raise ValueError(f"ESA was built for num_heads={self.num_heads}, the geometry has {geo.num_heads} heads")
-        if geo.kv_len * max(self.attn_length, self.num_heads, self.num_layers) > _INT32_LIMIT:
-            raise ValueError(f"kv_len * max(attn_length, num_heads, num_layers) must be < 2**31 for ESA, "
-                             f"got kv_len={geo.kv_len}")
+        if (geo.span + 1) * max(self.attn_length, self.num_heads, self.num_layers) > _INT32_LIMIT:
+            raise ValueError(f"positions * max(attn_length, num_heads, num_layers) must be < 2**31 for ESA, "
+                             f"got positions up to {geo.span}")
 
     def _start_and_window(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """Start s and window n - s for absolute query positions (any int tensor)."""
@@ -115,59 +113,70 @@ class ESA(Pattern):
         return round_half_even_div(base * (heads - 1 - head) + shifted * head, heads - 1)
 
     def mask_mod(self, geo: Geometry) -> MaskMod:
-        """Closed form: the slot j whose [base_j, base_{j+1} - 1] holds kv_idx is within 1 of
-        ``(kv_idx - s) * w // window``; kv_idx is attended iff one of those 3 slots' index equals it.
+        """Closed form: the slot j whose [base_j, base_{j+1} - 1] holds key position k is within 1 of
+        ``(k - s) * w // window``; k is attended iff one of those 3 slots' index equals it.
 
         The layer enters as a captured tensor, so every layer of a model shares one compiled kernel.
         """
         self._check(geo)
-        offset, w, heads = geo.offset, self.attn_length, self.num_heads
+        q_pos, kv_pos = geo.position_mods()
+        w, heads = self.attn_length, self.num_heads
         denominator = max(self.num_layers - 1, 1)
         layer_weight = torch.tensor(denominator - self.layer_idx, dtype=torch.int32, device=geo.device)
 
         def esa_mask(b, h, q_idx, kv_idx):
-            q_pos = q_idx + offset
-            start, window = _start_and_window(q_pos, w, denominator, layer_weight)
-            estimate = torch.div((kv_idx - start) * w, window, rounding_mode="floor")
-            hit = torch.zeros_like(kv_idx, dtype=torch.bool)
+            i, k = q_pos(b, q_idx), kv_pos(b, kv_idx)
+            start, window = _start_and_window(i, w, denominator, layer_weight)
+            estimate = torch.div((k - start) * w, window, rounding_mode="floor")
+            hit = torch.zeros_like(k, dtype=torch.bool)
             for delta in (-1, 0, 1):
                 j = torch.clamp(estimate + delta, 0, w - 1)
-                hit = hit | (_slot_index(start, window, j, h, w, heads) == kv_idx)
-            return hit & (kv_idx <= q_pos)
+                hit = hit | (_slot_index(start, window, j, h, w, heads) == k)
+            return hit & (k <= i)
 
         return esa_mask
 
     def _chunks(self, geo: Geometry):
-        """(query rows, their absolute positions, key indices [H, rows, w], causal-valid [H, rows, w]) chunks."""
+        """Per batch element b' and chunk of query rows: (b', rows, key slots [H, rows, w], attended [H, rows, w]).
+
+        Indices are computed from each row's position, mapped to slots (identity in the contiguous layout), and
+        kept where causal and present (a padding query attends nothing)."""
         self._check(geo)
-        for first in range(0, geo.q_len, _QUERY_CHUNK):
-            rows = torch.arange(first, min(first + _QUERY_CHUNK, geo.q_len), device=geo.device)
-            positions = rows + geo.offset
-            index = self.indices(positions)
-            yield rows, positions, index, index <= positions[None, :, None]
+        q_positions = geo.q_positions()
+        slots_of = None if geo.is_contiguous else geo.positions.key_slots()
+        for b in range(q_positions.shape[0]):
+            for first in range(0, geo.q_len, _QUERY_CHUNK):
+                rows = torch.arange(first, min(first + _QUERY_CHUNK, geo.q_len), device=geo.device)
+                positions = q_positions[b, rows]
+                index = self.indices(torch.clamp(positions, min=0))
+                valid = (index <= positions[None, :, None])
+                if slots_of is not None:
+                    table = slots_of[b if slots_of.shape[0] > 1 else 0]
+                    index = table[torch.clamp(index, max=table.shape[0] - 1)]
+                    valid &= index >= 0
+                yield b, rows, index, valid
 
     def block_classes(self, geo: Geometry) -> Tensor:
-        """Count attended pairs per tile in O(H * Q * w); a tile is full when every pair in it is attended."""
+        """Count attended pairs per tile in O(B' H Q w); a tile is full when every real pair in it is attended."""
         bs, nkb = geo.block_size, geo.num_kv_blocks
-        counts = torch.zeros(self.num_heads, geo.num_q_blocks * nkb, dtype=torch.int64, device=geo.device)
-        for rows, _, index, valid in self._chunks(geo):
+        counts = torch.zeros(geo.batch, self.num_heads, geo.num_q_blocks * nkb, dtype=torch.int32, device=geo.device)
+        for b, rows, index, valid in self._chunks(geo):
             tile = (rows // bs)[None, :, None] * nkb + index // bs
-            counts.scatter_add_(1, tile.masked_fill(~valid, 0).flatten(1), valid.flatten(1).long())
-        counts = counts.view(self.num_heads, geo.num_q_blocks, nkb)
-        q_lo, q_hi = geo.q_block_bounds()
-        kv_lo, kv_hi = geo.kv_block_bounds()
-        pairs = (q_hi - q_lo) * (kv_hi - kv_lo)
-        full = (counts == pairs) & (kv_hi - 1 <= q_lo)
-        return classify(full=full, empty=counts == 0)[None]
+            counts[b].scatter_add_(1, tile.masked_fill(~valid, 0).flatten(1), valid.flatten(1).int())
+        counts = counts.view(geo.batch, self.num_heads, geo.num_q_blocks, nkb)
+        q_first, _ = geo.q_tile_bounds()
+        _, kv_last = geo.kv_tile_bounds()
+        full = (counts == geo.tile_pairs()) & (kv_last <= q_first)
+        return classify(full=full, empty=counts == 0)
 
     def dense(self, geo: Geometry) -> Tensor:
-        geo.dense_grid()  # size check
-        mask = torch.zeros(self.num_heads, geo.q_len, geo.kv_len, dtype=torch.bool, device=geo.device)
-        for rows, _, index, valid in self._chunks(geo):
+        geo.check_dense(self.num_heads)
+        mask = torch.zeros(geo.batch, self.num_heads, geo.q_len, geo.kv_len, dtype=torch.bool, device=geo.device)
+        for b, rows, index, valid in self._chunks(geo):
             head = torch.arange(self.num_heads, device=geo.device)[:, None, None].expand_as(index)
             row = rows[None, :, None].expand_as(index)
-            mask[head[valid], row[valid], index[valid]] = True
-        return mask[None]
+            mask[b][head[valid], row[valid], index[valid]] = True
+        return mask
 
     @property
     def required_heads(self) -> int:
@@ -193,5 +202,8 @@ class ESA(Pattern):
         return first.reshape(-1, positions.numel()), last.reshape(-1, positions.numel())
 
     def attended(self, geo: Geometry) -> Tensor:
-        return torch.cat([valid.sum(-1) for _, _, _, valid in self._chunks(geo)], dim=1)[None]
+        counts = torch.zeros(geo.batch, self.num_heads, geo.q_len, dtype=torch.long, device=geo.device)
+        for b, rows, _, valid in self._chunks(geo):
+            counts[b, :, rows] = valid.sum(-1)
+        return counts
 

@@ -22,7 +22,10 @@ from torch import Tensor
 from flexsparse.kernels.xa_estimate import antidiagonal_block_mass
 from flexsparse.masks.base import Pattern
 from flexsparse.masks.block_table import BlockTable
+from flexsparse.masks.geometry import Geometry
+from flexsparse.masks.window import Causal
 from flexsparse.masks.xa_selection import select_blocks
+from flexsparse.validation import as_int
 
 
 def _check_qk(q: Tensor, k: Tensor) -> None:
@@ -46,18 +49,19 @@ class XAttention(Pattern):
 
     ``threshold`` in (0, 1], a float or one value per query head; ``stride`` divides ``block_size``;
     ``block_size`` is a multiple of 16 (and of the attention's BlockMask block size).
+
+    XA selects blocks for prefill (queries and keys of the same length). Decode and chunked prefill (fewer
+    queries than keys) run XA heads as full causal attention, as the papers' decode does. Padded batches are
+    estimated on each sequence's real tokens, aligned at position 0, so a sequence selects the same blocks as it
+    does alone.
     """
 
     name = "xattention"
 
     def __init__(self, threshold: float | Sequence[float] | Tensor = 0.9, stride: int = 16,
                  block_size: int = 128, compile: bool | None = None) -> None:
-        for arg, value in (("stride", stride), ("block_size", block_size)):
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise TypeError(f"{arg} must be an int, got {type(value).__name__}")
-        if stride < 1:
-            raise ValueError(f"stride must be >= 1, got {stride}")
-        if block_size < 16 or block_size % 16:
+        stride, block_size = as_int("stride", stride, minimum=1), as_int("block_size", block_size, minimum=16)
+        if block_size % 16:
             raise ValueError(f"block_size must be a positive multiple of 16, got {block_size}")
         if block_size % stride:
             raise ValueError(f"stride ({stride}) must divide block_size ({block_size})")
@@ -81,15 +85,18 @@ class XAttention(Pattern):
     def is_dynamic(self) -> bool:
         return True
 
-    def estimate(self, q: Tensor, k: Tensor) -> Tensor:
-        """Antidiagonal block mass ``[B, H_q, QB, KB]`` (float32)."""
+    def estimate(self, q: Tensor, k: Tensor, kv_valid_len: Tensor | None = None) -> Tensor:
+        """Antidiagonal block mass ``[B, H_q, QB, KB]`` (float32); ``kv_valid_len`` int ``[B]``: keys and
+        queries at index >= it are padding."""
         _check_qk(q, k)
         compiled = q.device.type == "cuda" if self.compile is None else self.compile
-        return antidiagonal_block_mass(q, k, self.stride, self.block_size, compiled)
+        if kv_valid_len is None:
+            return antidiagonal_block_mass(q, k, self.stride, self.block_size, compiled)
+        return antidiagonal_block_mass(q, k, self.stride, self.block_size, compiled, kv_valid_len=kv_valid_len)
 
-    def select(self, q: Tensor, k: Tensor) -> Tensor:
+    def select(self, q: Tensor, k: Tensor, kv_valid_len: Tensor | None = None) -> Tensor:
         """Selected blocks, bool ``[B, H_q, QB, KB]``."""
-        mass = self.estimate(q, k)
+        mass = self.estimate(q, k, kv_valid_len)
         threshold = self._thresholds_on.get(mass.device)
         if threshold is None:  # copied to each device once, not per call
             threshold = self._thresholds_on[mass.device] = self.threshold.to(mass.device)
@@ -97,10 +104,27 @@ class XAttention(Pattern):
             raise ValueError(f"threshold has {threshold.numel()} values, q has {q.shape[1]} heads")
         return select_blocks(mass, threshold.expand(q.shape[1]))
 
-    def resolve(self, q: Tensor, k: Tensor) -> BlockTable:
-        return BlockTable(self.select(q, k), self.block_size)
+    def resolve(self, q: Tensor, k: Tensor, geo: Geometry | None = None) -> Pattern:
+        """The block table for these inputs (a :class:`BlockTable` over positions), or :class:`Causal` when
+        there are fewer queries than keys. ``geo`` carries the positions of a padded batch (None: contiguous)."""
+        if q.shape[2] != k.shape[2]:
+            return Causal()
+        if geo is None or geo.is_contiguous:
+            return BlockTable(self.select(q, k), self.block_size)
+        return BlockTable(self._select_padded(q, k, geo), self.block_size)
+
+    def _select_padded(self, q: Tensor, k: Tensor, geo: Geometry) -> Tensor:
+        """Gather each sequence's real tokens to the front (position p to index p), estimate with the padding
+        keys excluded, and select: the table is over positions, like the sequence's own alone."""
+        seq = k.shape[2]
+        slots = geo.positions.key_slots()[:, :seq]  # [B', S]: slot of position p, -1 past the sequence's end
+        index = torch.clamp(slots, min=0)[:, None, :, None]
+        aligned_q = q.gather(2, index.expand(q.shape[0], q.shape[1], seq, q.shape[3]))
+        aligned_k = k.gather(2, index.expand(k.shape[0], k.shape[1], seq, k.shape[3]))
+        lengths = geo.sequence_ends().expand(q.shape[0])
+        return self.select(aligned_q, aligned_k, kv_valid_len=lengths)
 
     def _unresolved(self, *_):
-        raise ValueError("XAttention is content-dependent: use pattern.resolve(q, k) (HybridAttention does)")
+        raise ValueError("XAttention is content-dependent: use pattern.resolve(q, k, geo) (HybridAttention does)")
 
     mask_mod = block_classes = dense = attended = key_runs = _unresolved

@@ -1,0 +1,70 @@
+"""One attention call as the executors see it: inputs, geometry (sizes and positions) and a head selection."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from flexsparse.masks.geometry import Geometry
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionCall:
+    """q ``[B, H, Q, d]``, k/v ``[B, H_kv, KV, d]`` (SDPA layout) and where their rows sit (``geometry``)."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    scale: float
+    geometry: Geometry
+    needs_grad: bool
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head (GQA)."""
+        return self.q.shape[1] // self.k.shape[1]
+
+
+@dataclass(frozen=True, eq=False)
+class HeadSelection:
+    """A subset of a layer's KV heads and their query heads, as slices where contiguous (views, no copy)."""
+
+    kv_heads: tuple[int, ...]
+    q_index: slice | Tensor
+    kv_index: slice | Tensor
+    q_heads: Tensor
+    """Query-head indices (int64 ``[H_sel]``): what a per-head pattern's mask_mod calls ``h``."""
+    is_all: bool
+    """Every head of the layer, in order."""
+
+    @classmethod
+    def of(cls, kv_heads: tuple[int, ...], group_size: int, num_kv_heads: int, device: torch.device) -> HeadSelection:
+        q_heads = [h * group_size + i for h in kv_heads for i in range(group_size)]
+        return cls(kv_heads, _index(q_heads, device), _index(list(kv_heads), device),
+                   torch.tensor(q_heads, dtype=torch.long, device=device), kv_heads == tuple(range(num_kv_heads)))
+
+    def pick(self, call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k, v of the selected heads (views when the heads are contiguous)."""
+        return call.q[:, self.q_index], call.k[:, self.kv_index], call.v[:, self.kv_index]
+
+
+def _index(heads: list[int], device: torch.device) -> slice | Tensor:
+    if heads == list(range(heads[0], heads[-1] + 1)):
+        return slice(heads[0], heads[-1] + 1)
+    return torch.tensor(heads, dtype=torch.long, device=device)
+
+
+@dataclass(frozen=True, eq=False)
+class GroupModes:
+    """Which pattern each selected head runs: ``per_head`` int ``[B or 1, H_sel]`` (query heads, on the device),
+    and ``host``, the modes of the selected KV heads when the host knows them (default modes), else None."""
+
+    per_head: Tensor
+    host: tuple[int, ...] | None
+
+    @property
+    def uniform(self) -> int | None:
+        """The one mode of every selected head, when the host knows it."""
+        return self.host[0] if self.host is not None and len(set(self.host)) == 1 else None
