@@ -135,10 +135,18 @@ class Positions:
 
 
 def _per_batch(table: Tensor) -> Callable[[Tensor], Tensor]:
-    """``b -> table[b]`` for a per-batch table, ``b -> table[0]`` for a shared one (traceable)."""
+    """``b -> table[b]`` for a per-batch ``[B']`` table, ``b -> table[0]`` for a shared one (traceable)."""
     if table.shape[0] == 1:
         return lambda b: table[0]
     return lambda b: table[b]
+
+
+def _per_batch_rows(table: Tensor) -> PositionMod:
+    """``(b, i) -> table[b, i]`` for a ``[B', N]`` table (``table[0, i]`` when shared); works on the scalars
+    FlexAttention passes and on broadcast index tensors alike."""
+    if table.shape[0] == 1:
+        return lambda b, i: table[0, i]
+    return lambda b, i: table[b, i]
 
 
 @dataclass(frozen=True, eq=False)
@@ -242,8 +250,7 @@ class Geometry:
         if self.positions is None:
             offset = self.offset
             return (lambda b, q_idx: q_idx + offset), (lambda b, kv_idx: kv_idx)
-        q_rows, kv_rows = _per_batch(self.positions.q), _per_batch(self.positions.kv)
-        return (lambda b, q_idx: q_rows(b)[q_idx]), (lambda b, kv_idx: kv_rows(b)[kv_idx])
+        return _per_batch_rows(self.positions.q), _per_batch_rows(self.positions.kv)
 
     def per_batch_mod(self, values: Tensor) -> Callable[[Tensor], Tensor]:
         """Traceable ``b -> values[b]`` for a ``[B']`` tensor (``values[0]`` when B' is 1)."""
