@@ -107,3 +107,52 @@ def test_other_callers_exhausting_torch_flex_attention_do_not_affect_flexsparse(
         out = attn(q, k, v, modes=torch.tensor([[0, 1], [2, 0]]))
     expected = reference(q, k, v, dense_mask(PATTERNS, torch.tensor([[0, 0, 1, 1], [2, 2, 0, 0]]), SEQ))
     torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
+
+
+def test_fifty_padding_masks_and_routings_cause_no_recompile():
+    """New padding patterns are new position tables (tensor values), new routings new mode tensors."""
+    from tests.test_padding_decode import padded_batch
+
+    attn = HybridAttention(HEADS, KV_HEADS, 8, PATTERNS, ["full", "ssa"], block_size=64, backend="flex")
+    gen = torch.Generator().manual_seed(7)
+
+    def random_call():
+        lengths = torch.randint(1, SEQ + 1, (BATCH,), generator=gen).tolist()
+        left = bool(torch.randint(0, 2, (1,), generator=gen))
+        q, k, v, mask, alone = padded_batch(lengths, SEQ, left, seed=int(torch.randint(0, 1000, (1,), generator=gen)))
+        modes = torch.randint(0, 3, (BATCH, KV_HEADS), generator=gen)
+        return q, k, v, mask, alone, modes
+
+    q, k, v, mask, _, modes = random_call()
+    attn(q, k, v, modes=modes, key_padding_mask=mask)  # warm-up: compiles once
+    calls = [random_call() for _ in range(50)]
+    with torch.compiler.set_stance("fail_on_recompile"):
+        outs = [attn(q, k, v, modes=m, key_padding_mask=mask) for q, k, v, mask, _, m in calls]
+    for out, (_, _, _, mask, alone, modes) in list(zip(outs, calls))[:3]:
+        for b, (qa, ka, va) in enumerate(alone):
+            expected = reference(qa, ka, va, attn.reference_mask(qa, ka, modes[b]))
+            torch.testing.assert_close(out[b][:, mask[b]], expected[0], atol=ATOL, rtol=0)
+
+
+def test_long_decode_loop_compiles_one_variant_per_length_bucket():
+    """300 decode steps, the cache growing by one key per step: keys run at bucketed lengths (64 x 2^k), so the
+    loop compiles once per bucket it crosses and never reaches the recompile limit."""
+    from torch._dynamo.utils import counters
+
+    from flexsparse.runtime.buckets import kv_bucket
+
+    attn = HybridAttention(HEADS, KV_HEADS, 16, PATTERNS, ["ssa", "local"], block_size=64, backend="flex")
+    q, k, v = qkv(1, HEADS, KV_HEADS, 420, seed=3)
+    start = 120
+    graphs = counters["stats"]["unique_graphs"]
+    with patch.object(flexsparse.runtime.compiled, "MAX_COMPILED_VARIANTS", 8), \
+            torch._dynamo.config.patch(recompile_limit=8):
+        for step in range(start, start + 300):
+            out = attn(q[:, :, step - 1 : step], k[:, :, :step], v[:, :, :step])
+            if step in (start, start + 63, start + 299):
+                expected = reference(q[:, :, step - 1 : step], k[:, :, :step], v[:, :, :step],
+                                     attn.reference_mask(q[:, :, step - 1 : step], k[:, :, :step]))
+                torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
+    buckets = {kv_bucket(n, 64) for n in range(start, start + 300)}
+    assert len(buckets) == 3
+    assert counters["stats"]["unique_graphs"] - graphs <= len(buckets)

@@ -61,6 +61,8 @@ class Positions:
                 raise TypeError(f"Positions.{name} must be a tensor, got {type(table).__name__}")
             if table.dtype != torch.int32 or table.dim() != 2:
                 raise ValueError(f"Positions.{name} must be int32 [B, length], got {table.dtype} {tuple(table.shape)}")
+            if table.stride() != (table.shape[1], 1):  # compiled kernels specialise on strides: keep them canonical
+                object.__setattr__(self, name, table.clone(memory_format=torch.contiguous_format))
         if self.q.device != self.kv.device:
             raise ValueError(f"Positions.q is on {self.q.device} but Positions.kv is on {self.kv.device}")
         if self.q.shape[0] != self.kv.shape[0] and 1 not in (self.q.shape[0], self.kv.shape[0]):
@@ -92,7 +94,7 @@ class Positions:
     def contiguous(cls, q_len: int, kv_len: int, device: torch.device | str = "cpu") -> Positions:
         """The contiguous layout as tables (queries are the last ``q_len`` positions of ``kv_len``)."""
         kv = torch.arange(kv_len, dtype=torch.int32, device=device)[None]
-        return cls(kv[:, kv_len - q_len:].clone(), kv, kv_len)
+        return cls(kv[:, kv_len - q_len:], kv, kv_len)
 
     @property
     def batch(self) -> int:

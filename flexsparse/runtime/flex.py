@@ -13,6 +13,7 @@ import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
@@ -131,12 +132,20 @@ class FlexExecutor(Executor):
         return composed
 
 
+def _canonical(t: Tensor) -> Tensor:
+    """``t`` with contiguous strides (compiled kernels specialise on strides, size-1 dimensions included)."""
+    return t if t.stride() == torch.empty(t.shape, device="meta").stride() else t.clone(
+        memory_format=torch.contiguous_format)
+
+
 def _bucketed(q: Tensor, k: Tensor, v: Tensor, geo: Geometry) -> tuple[Tensor, Tensor, Tensor, Geometry]:
-    """q/k/v and geometry padded to bucket lengths (padding rows and slots hold padding positions)."""
+    """q/k/v and geometry padded to bucket lengths (padding rows and slots hold padding positions), with
+    contiguous strides, so that every call of a bucket runs the same compiled variant. Inputs that already have
+    bucket lengths and contiguous strides (a KV cache's buffers) are not copied."""
     kv_len = kv_bucket(geo.kv_len, geo.block_size)
     q_len = min(q_bucket(geo.q_len, geo.block_size), kv_len)
     if (q_len, kv_len) == (geo.q_len, geo.kv_len):
-        return q, k, v, geo
+        return _canonical(q), _canonical(k), _canonical(v), geo
     memo_key = ("padded", q_len, kv_len)
     positions = geo.positions.memo.get(memo_key)
     if positions is None:
