@@ -148,5 +148,7 @@ def test_bad_input():
         HeadRouter(8, sparse_mode=-1)
     with pytest.raises(ValueError, match="kind"):
         Router.from_config({"kind": "mystery", "head_dim": 8})
+    with pytest.raises(ValueError, match=r"keys \['width'\]"):
+        Router.from_config({"kind": "head", "head_dim": 8, "width": 3})
     with pytest.raises(ValueError, match="key_padding_mask"):
         router(torch.randn(1, 5, 2, 8), torch.ones(1, 4, dtype=torch.bool))

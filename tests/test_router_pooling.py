@@ -127,6 +127,15 @@ def test_matches_reference_for_any_padding(seq, pool, rows):
                                atol=1e-6, rtol=1e-6)
 
 
+def test_any_token_subset_pools_the_first_and_last_marked_tokens():
+    """A mask with holes (e.g. prompt tokens only, answers left out) pools by rank among the marked tokens."""
+    gen = torch.Generator().manual_seed(4)
+    mask = torch.rand(6, 50, generator=gen) < torch.tensor([0.0, 0.05, 0.3, 0.6, 0.9, 1.0])[:, None]
+    states = torch.randn(6, 50, 2, 3, generator=gen)
+    torch.testing.assert_close(boundary_pool(states, mask, 7).double(), reference_pool(states, mask, 7),
+                               atol=1e-6, rtol=1e-6)
+
+
 def test_bad_input():
     states = torch.randn(2, 10, 2, 4)
     with pytest.raises(ValueError, match="pool_size"):

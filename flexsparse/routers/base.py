@@ -16,6 +16,7 @@ likely.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -155,8 +156,13 @@ class Router(nn.Module):
         kind = config.get("kind")
         if kind not in Router._registry:
             raise ValueError(f"config kind must be one of {sorted(Router._registry)}, got {kind!r}")
+        cls = Router._registry[kind]
         fields = {k: v for k, v in config.items() if k != "kind"}
-        return Router._registry[kind](**fields)
+        known = set(inspect.signature(cls.__init__).parameters) - {"self"}
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise ValueError(f"config has keys {unknown} that a {cls.__name__} does not take; known: {sorted(known)}")
+        return cls(**fields)
 
     def extra_repr(self) -> str:
         return (f"head_dim={self.head_dim}, pool_size={self.pool_size}, full_mode={self.full_mode}, "

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from flexsparse.routers.base import Router, mlp
-from flexsparse.routers.pooling import boundary_pool
+from flexsparse.routers.base import DEFAULT_INIT_STD, Router, mlp
+from flexsparse.routers.pooling import DEFAULT_POOL_SIZE, boundary_pool
 
 
 class HeadRouter(Router):
@@ -25,8 +25,9 @@ class HeadRouter(Router):
 
     kind = "head"
 
-    def __init__(self, head_dim: int, pool_size: int = 100, **kwargs) -> None:
-        super().__init__(head_dim, pool_size, **kwargs)
+    def __init__(self, head_dim: int, pool_size: int = DEFAULT_POOL_SIZE, *, full_mode: int = 0,
+                 sparse_mode: int = 1, init_std: float = DEFAULT_INIT_STD) -> None:
+        super().__init__(head_dim, pool_size, full_mode=full_mode, sparse_mode=sparse_mode, init_std=init_std)
         d = self.head_dim
         self.task_mlp = mlp([d, 4 * d, d])
         self.router_mlp = mlp([d, 4 * d, d, 2])

@@ -12,6 +12,9 @@ them open, the authors' code differs):
   token is found by a binary search on the mask's running count, so the states are read at ``2P`` positions per
   sequence whatever the length; the only pass over all ``S`` positions is the running count of the boolean mask.
 * A row with no real token pools to zeros (a defined result, no host sync to raise an error).
+* The mask says which tokens to pool, so it may be narrower than the attention's padding mask: in training on
+  prompt + answer sequences, pass the prompt tokens only (the authors' code pools the context-and-question
+  segment through per-sample ``range_ids``), so that the router sees in training what it sees at prefill.
 """
 
 from __future__ import annotations
