@@ -1,0 +1,169 @@
+"""What every router shares: the MLP shapes, the routing call, plain-dict configs, and :class:`Routing`, the
+decision of one layer for one batch.
+
+A router is an ``nn.Module`` whose ``forward(states, key_padding_mask=None)`` gives logits (channel 0 full,
+channel 1 sparse) and whose :meth:`Router.route` turns them into a :class:`Routing`: in training mode sampled with
+Gumbel noise and straight-through hard weights, in eval mode the deterministic argmax. ``Routing.modes()`` is
+what :class:`~flexsparse.HybridAttention` takes per call; ``Routing.sparse_weight`` is what the training path
+(:mod:`flexsparse.routers.mixing`) and the sparsity constraint (:mod:`flexsparse.routers.constraint`) use.
+
+Initialisation: every linear layer draws its weight from N(0, 0.02) with a zero bias. That is what the authors'
+models end up with (their router modules are re-initialised by transformers' ``_init_weights`` with
+``initializer_range`` 0.02; the ``reset_parameters`` with a biased last layer in their router classes is never
+called in Elastic's code and is not called on the router in Flux's). Logits start near 0: both modes equally
+likely.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from flexsparse.routers.pooling import DEFAULT_POOL_SIZE
+from flexsparse.routers.relaxation import FULL, SPARSE, relaxed_decisions
+from flexsparse.validation import as_float, as_int
+
+DEFAULT_INIT_STD = 0.02
+
+
+def mlp(widths: Sequence[int]) -> nn.Sequential:
+    """Linear layers through ``widths`` with SiLU between them (none after the last)."""
+    layers: list[nn.Module] = []
+    for i, (n_in, n_out) in enumerate(zip(widths[:-1], widths[1:])):
+        if i:
+            layers.append(nn.SiLU())
+        layers.append(nn.Linear(n_in, n_out))
+    return nn.Sequential(*layers)
+
+
+@dataclass
+class Routing:
+    """One layer's routing for one batch.
+
+    ``logits`` ``[B, G, 2]`` and ``weights`` ``[B, G, 2]`` (full, sparse): G is the number of KV heads for a head
+    router and 1 for a layer router (its decision covers every head). In training the weights are one-hot in the
+    forward pass with the gradient of the Gumbel-softmax probabilities (or the soft probabilities with
+    ``hard=False``); in eval they are the one-hot argmax without gradient.
+    """
+
+    logits: Tensor
+    weights: Tensor
+    full_mode: int
+    sparse_mode: int
+
+    @property
+    def sparse_weight(self) -> Tensor:
+        """Weight of sparse attention, ``[B, G]`` (exactly 0/1 in the forward pass when hard; differentiable)."""
+        return self.weights[..., SPARSE]
+
+    @property
+    def is_sparse(self) -> Tensor:
+        """The hard decision, bool ``[B, G]`` (a tie goes to full)."""
+        return self.weights[..., SPARSE] > self.weights[..., FULL]
+
+    def modes(self, num_kv_heads: int | None = None) -> Tensor:
+        """Per-call modes for HybridAttention, int64 ``[B, H_kv]``: ``sparse_mode`` or ``full_mode`` per KV head.
+
+        ``num_kv_heads`` expands a layer router's single decision (G = 1) to every KV head; for a head router it
+        must equal G when given.
+        """
+        decision = self.is_sparse
+        if num_kv_heads is not None:
+            num_kv_heads = as_int("num_kv_heads", num_kv_heads, minimum=1)
+            groups = decision.shape[1]
+            if groups == 1:
+                decision = decision.expand(decision.shape[0], num_kv_heads)
+            elif groups != num_kv_heads:
+                raise ValueError(f"num_kv_heads ({num_kv_heads}) differs from the router's {groups} KV heads")
+        full = torch.full_like(decision, self.full_mode, dtype=torch.long)
+        return torch.where(decision, self.sparse_mode, full)
+
+
+class Router(nn.Module):
+    """Base class: pooled per-head states -> logits -> :class:`Routing`.
+
+    Args:
+        head_dim: d of the states the router reads.
+        pool_size: P of :func:`~flexsparse.routers.pooling.boundary_pool`.
+        full_mode: index of the full-attention pattern in the layer's HybridAttention patterns.
+        sparse_mode: index of the sparse pattern.
+        init_std: standard deviation of the initial linear weights (biases start at 0).
+    """
+
+    kind: ClassVar[str] = ""
+    _registry: ClassVar[dict[str, type[Router]]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.kind:
+            Router._registry[cls.kind] = cls
+
+    def __init__(self, head_dim: int, pool_size: int = DEFAULT_POOL_SIZE, *, full_mode: int = 0,
+                 sparse_mode: int = 1, init_std: float = DEFAULT_INIT_STD) -> None:
+        super().__init__()
+        self.head_dim = as_int("head_dim", head_dim, minimum=1)
+        self.pool_size = as_int("pool_size", pool_size, minimum=1)
+        self.full_mode = as_int("full_mode", full_mode, minimum=0)
+        self.sparse_mode = as_int("sparse_mode", sparse_mode, minimum=0)
+        if self.full_mode == self.sparse_mode:
+            raise ValueError(f"full_mode and sparse_mode must differ, both are {self.full_mode}")
+        self.init_std = as_float("init_std", init_std, positive=True)
+
+    def reset_parameters(self) -> None:
+        """N(0, init_std) weights and zero biases in every linear layer."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=self.init_std)
+                nn.init.zeros_(module.bias)
+
+    def check_states(self, states: Tensor, name: str) -> None:
+        """``states`` must be ``[B, S, H, head_dim]`` floating point."""
+        if not isinstance(states, Tensor):
+            raise TypeError(f"{name} must be a tensor [B, S, H, {self.head_dim}], got {type(states).__name__}")
+        if states.dim() != 4:
+            raise ValueError(f"{name} must be 4-D [B, S, H, head_dim], got shape {tuple(states.shape)}")
+        if states.shape[-1] != self.head_dim:
+            raise ValueError(f"{name} has head_dim {states.shape[-1]}, the router was built for "
+                             f"head_dim={self.head_dim}")
+
+    def route(self, states: Tensor, key_padding_mask: Tensor | None = None, *, tau: float | Tensor = 1.0,
+              hard: bool = True, generator: torch.Generator | None = None) -> Routing:
+        """Logits and weights for one layer. Training mode: Gumbel noise at temperature ``tau`` and
+        straight-through hard weights (``hard=False``: soft weights). Eval mode: the deterministic argmax."""
+        logits = self(states, key_padding_mask)
+        logits = logits.reshape(logits.shape[0], -1, 2)
+        if self.training:
+            weights = relaxed_decisions(logits, tau, hard=hard, noise=True, generator=generator)
+        else:
+            weights = relaxed_decisions(logits.detach(), hard=True, noise=False).detach()
+        return Routing(logits, weights, self.full_mode, self.sparse_mode)
+
+    def config(self) -> dict:
+        """Plain-dict config; :meth:`Router.from_config` rebuilds the module (weights come from the state_dict)."""
+        return {"kind": self.kind, "head_dim": self.head_dim, "pool_size": self.pool_size,
+                "full_mode": self.full_mode, "sparse_mode": self.sparse_mode, "init_std": self.init_std}
+
+    @staticmethod
+    def from_config(config: dict) -> Router:
+        """The router a :meth:`config` dict describes (freshly initialised)."""
+        if not isinstance(config, dict):
+            raise TypeError(f"config must be a dict, got {type(config).__name__}")
+        kind = config.get("kind")
+        if kind not in Router._registry:
+            raise ValueError(f"config kind must be one of {sorted(Router._registry)}, got {kind!r}")
+        cls = Router._registry[kind]
+        fields = {k: v for k, v in config.items() if k != "kind"}
+        known = set(inspect.signature(cls.__init__).parameters) - {"self"}
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise ValueError(f"config has keys {unknown} that a {cls.__name__} does not take; known: {sorted(known)}")
+        return cls(**fields)
+
+    def extra_repr(self) -> str:
+        return (f"head_dim={self.head_dim}, pool_size={self.pool_size}, full_mode={self.full_mode}, "
+                f"sparse_mode={self.sparse_mode}")
