@@ -1,6 +1,6 @@
 """flexsparse: hybrid sparse attention for long-context transformers on PyTorch FlexAttention."""
 
-from flexsparse import masks, reference
+from flexsparse import masks, reference, routers
 from flexsparse.attention import AttentionStats, HybridAttention
 from flexsparse.masks import (
     ESA,
@@ -43,4 +43,5 @@ __all__ = [
     "masks",
     "model_sparsity_ratio",
     "reference",
+    "routers",
 ]

@@ -7,6 +7,7 @@ into one output.
 
 from __future__ import annotations
 
+import numbers
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -82,7 +83,9 @@ class HybridAttention(nn.Module):
     ``forward(q, k, v, modes=None, *, key_padding_mask=None, positions=None, scale=None)`` takes q
     ``[B, H, S_q, d]`` and k/v ``[B, H_kv, S_kv, d]`` (SDPA layout) and returns ``[B, H, S_q, d]``. Queries are
     the last ``S_q`` positions: ``S_q == S_kv`` is prefill, ``S_q == 1`` decode, anything between a chunk of a
-    prefill. ``modes`` overrides the default per call: an int tensor ``[H_kv]`` or ``[B, H_kv]`` on q's device.
+    prefill. ``modes`` overrides the default per call: an int tensor ``[H_kv]`` or ``[B, H_kv]`` on q's device
+    (a router's decision; runs fused, no host sync), or one pattern name or index for every head (known on the
+    host, so it is planned like default modes: all-full runs on SDPA).
     ``key_padding_mask`` bool ``[B, S_kv]`` (True = real token; left or right padding): positions count real
     tokens only, so each sequence gets the output it gets alone; rows of padding queries are 0.
     ``positions`` (a :class:`~flexsparse.masks.geometry.Positions`) gives positions directly, e.g. for a cache
@@ -130,7 +133,7 @@ class HybridAttention(nn.Module):
         self._pattern_list = list(self.patterns.values())
         self.register_buffer("default_modes", self._modes_from_names(modes), persistent=False)
         self._default_mode_tuple = tuple(self.default_modes.tolist())  # host copy: no device sync per call
-        self._default_head_modes: dict[torch.device, Tensor] = {}
+        self._default_head_modes: dict[tuple, Tensor] = {}  # (device, host modes) -> per query head modes
         flex = FlexExecutor(self._pattern_list, compiled=True, kernel_options=kernel_options)
         eager = FlexExecutor(self._pattern_list, compiled=False)
         sdpa = [SdpaExecutor()]
@@ -169,6 +172,14 @@ class HybridAttention(nn.Module):
                                      f"got {m!r}") from None
         return torch.tensor(indices, dtype=torch.long)
 
+    def _mode_index(self, mode: str | int) -> int:
+        """One mode by pattern name or index."""
+        if isinstance(mode, str):
+            if mode not in self.patterns:
+                raise ValueError(f"modes names unknown pattern {mode!r}; known: {self.pattern_names}")
+            return self.pattern_names.index(mode)
+        return as_int("modes", mode, minimum=0, maximum=len(self.patterns) - 1)
+
     def set_modes(self, modes: Sequence[str | int] | Tensor) -> None:
         """Change the default modes (per KV head)."""
         self.default_modes = self._modes_from_names(modes).to(self.default_modes.device)
@@ -192,12 +203,13 @@ class HybridAttention(nn.Module):
     def _head_modes(self, q: Tensor, modes: Tensor | None) -> tuple[Tensor, tuple[int, ...] | None]:
         """Per query-head modes ``[B or 1, H]`` on q's device, and the per-KV-head modes if the host knows them."""
         group = self.num_heads // self.num_kv_heads
-        if modes is None:
-            cached = self._default_head_modes.get(q.device)
+        if modes is None or isinstance(modes, (str, numbers.Integral)):
+            host = self._default_mode_tuple if modes is None else (self._mode_index(modes),) * self.num_kv_heads
+            cached = self._default_head_modes.get((q.device, host))
             if cached is None:
-                cached = self.default_modes.to(q.device)[None].repeat_interleave(group, dim=1)
-                self._default_head_modes[q.device] = cached
-            return cached, self._default_mode_tuple
+                cached = torch.tensor(host, device=q.device)[None].repeat_interleave(group, dim=1)
+                self._default_head_modes[(q.device, host)] = cached
+            return cached, host
         kv_modes = self._check_mode_tensor(modes, q.shape[0])
         if kv_modes.device != q.device:
             raise ValueError(f"modes is on {kv_modes.device} but q is on {q.device}")
@@ -288,7 +300,7 @@ class HybridAttention(nn.Module):
         return [None if index not in used else p.resolve(call.q, call.k, call.geometry) if p.is_dynamic else p
                 for index, p in enumerate(self._pattern_list)]
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, modes: Tensor | None = None, *,
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, modes: Tensor | int | str | None = None, *,
                 key_padding_mask: Tensor | None = None, positions: Positions | None = None,
                 scale: float | None = None) -> Tensor:
         self._check_inputs(q, k, v)

@@ -223,3 +223,23 @@ def test_auto_plan_cost_model_prefers_split_only_for_long_sequences():
 
     assert not split_pays(call(2048), 2)
     assert split_pays(call(65536), 2)
+
+
+def test_one_mode_for_every_head_is_planned_on_the_host():
+    """modes="full" (or an index) equals the same modes as a tensor, and is grouped like default modes."""
+    attn = HybridAttention(8, 4, 16, PATTERNS, ["ssa"] * 4, block_size=16, backend="flex_eager", plan="split")
+    q, k, v = qkv(2, 8, 4, 40)
+    for mode in ("full", 1, 2):
+        index = list(PATTERNS).index(mode) if isinstance(mode, str) else mode
+        expected = attn(q, k, v, modes=torch.full((4,), index))
+        torch.testing.assert_close(attn(q, k, v, modes=mode), expected, atol=ATOL, rtol=0)
+    from flexsparse.runtime.call import AttentionCall
+
+    _, host = attn._head_modes(q, "full")
+    assert host == (0, 0, 0, 0)
+    call = AttentionCall(q, k, v, 0.25, Geometry(8, 40, block_size=16), needs_grad=False)
+    assert [g.executor.name for g in attn._planners["flex_eager"].groups(call, host)] == ["sdpa"]
+    with pytest.raises(ValueError, match="unknown pattern 'nope'"):
+        attn(q, k, v, modes="nope")
+    with pytest.raises(ValueError, match="modes must be <= 2"):
+        attn(q, k, v, modes=3)

@@ -19,10 +19,6 @@ from flexsparse.attention import HybridAttention
 from flexsparse.routers.base import Routing
 
 
-def _uniform_modes(attn: HybridAttention, batch: int, mode: int, device: torch.device) -> Tensor:
-    return torch.full((batch, attn.num_kv_heads), mode, dtype=torch.long, device=device)
-
-
 def _check(attn: HybridAttention, routing: Routing, q: Tensor) -> None:
     if not isinstance(attn, HybridAttention):
         raise TypeError(f"attn must be a flexsparse.HybridAttention, got {type(attn).__name__}")
@@ -50,8 +46,8 @@ def mix_full_sparse(attn: HybridAttention, q: Tensor, k: Tensor, v: Tensor, rout
     """
     _check(attn, routing, q)
     batch = q.shape[0]
-    full = attn(q, k, v, modes=_uniform_modes(attn, batch, routing.full_mode, q.device), **attn_kwargs)
-    sparse = attn(q, k, v, modes=_uniform_modes(attn, batch, routing.sparse_mode, q.device), **attn_kwargs)
+    full = attn(q, k, v, modes=routing.full_mode, **attn_kwargs)  # one mode for every head: planned on the host
+    sparse = attn(q, k, v, modes=routing.sparse_mode, **attn_kwargs)
     weight = routing.sparse_weight.to(full.dtype)  # [B, G]
     weight = weight.expand(batch, attn.num_kv_heads).repeat_interleave(attn.num_heads // attn.num_kv_heads, dim=1)
     weight = weight[:, :, None, None]
