@@ -76,7 +76,7 @@ class Pattern(ABC):
     is_full: bool = False
     """True for full causal attention (FA): such heads count as dense in MSR/ESR and may run on SDPA."""
 
-    def resolve(self, q: Tensor, k: Tensor, geo: Geometry) -> Pattern:
+    def resolve(self, q: Tensor, k: Tensor, geo: Geometry | None = None) -> Pattern:
         """The static pattern for these queries/keys. Content-dependent patterns (XA) override this."""
         return self
 
