@@ -57,6 +57,16 @@ def _as_pattern_dict(patterns: Mapping[str, Pattern] | Pattern) -> OrderedDict[s
     return OrderedDict(patterns)
 
 
+def _output_like(largest: Tensor, num_heads: int) -> Tensor:
+    """An empty ``[B, H, S_q, d]`` output whose memory layout (dimension order) is that of the largest group's
+    result, so that the largest copy into it is a straight copy, not a transpose."""
+    order = sorted(range(4), key=lambda dim: -largest.stride(dim))  # outermost dimension first
+    shape = list(largest.shape)
+    shape[1] = num_heads
+    buffer = largest.new_empty([shape[dim] for dim in order])
+    return buffer.permute([order.index(dim) for dim in range(4)])
+
+
 class HybridAttention(nn.Module):
     """Attention whose KV heads each run one of several patterns.
 
@@ -316,15 +326,16 @@ class HybridAttention(nn.Module):
         if len(groups) == 1:
             group = groups[0]
             return group.executor.run(call, patterns, GroupModes(head_modes, group.host_modes), group.heads)
-        out = q.new_empty(q.shape[0], q.shape[2], self.num_heads, self.head_dim)  # [B, S_q, H, d] storage
-        for group in groups:
-            modes_of_group = GroupModes(head_modes[:, group.heads.q_index], group.host_modes)
-            result = group.executor.run(call, patterns, modes_of_group, group.heads)
+        results = [(group, group.executor.run(call, patterns, GroupModes(head_modes[:, group.heads.q_index],
+                                                                          group.host_modes), group.heads))
+                   for group in groups]
+        out = _output_like(max((r for _, r in results), key=lambda r: r.shape[1]), self.num_heads)
+        for group, result in results:
             if isinstance(group.heads.q_index, slice):
-                out[:, :, group.heads.q_index] = result.transpose(1, 2)
+                out[:, group.heads.q_index] = result
             else:
-                out.index_copy_(2, group.heads.q_index, result.transpose(1, 2))
-        return out.transpose(1, 2)
+                out.index_copy_(1, group.heads.q_index, result)
+        return out
 
     def reference_mask(self, q: Tensor, k: Tensor, modes: Tensor | None = None, *,
                        key_padding_mask: Tensor | None = None, positions: Positions | None = None) -> Tensor:
