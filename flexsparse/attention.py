@@ -99,7 +99,9 @@ class HybridAttention(nn.Module):
     ``key_padding_mask`` bool ``[B, S_kv]`` (True = real token; left or right padding): positions count real
     tokens only, so each sequence gets the output it gets alone; rows of padding queries are 0.
     ``positions`` (a :class:`~flexsparse.masks.geometry.Positions`) gives positions directly, e.g. for a cache
-    whose slots are not positions; build it once per model forward and pass it to every layer.
+    whose slots are not positions; build it once per model forward and pass it to every layer. ``kv_heads``
+    (ascending KV head indices) runs only those heads of the layer: k/v hold them and q their query heads (a
+    sparse KV cache keeps head groups apart); ``modes`` still describes every KV head of the layer.
     """
 
     def __init__(
@@ -229,17 +231,30 @@ class HybridAttention(nn.Module):
 
     # ----- inputs ------------------------------------------------------------------------------------------
 
-    def _check_inputs(self, q: Tensor, k: Tensor, v: Tensor) -> None:
+    def _kv_heads(self, kv_heads: Sequence[int] | None) -> tuple[int, ...]:
+        if kv_heads is None:
+            return tuple(range(self.num_kv_heads))
+        if isinstance(kv_heads, (str, bytes)) or not isinstance(kv_heads, Sequence) or not kv_heads:
+            raise TypeError(f"kv_heads must be a non-empty sequence of KV head indices, got {kv_heads!r}")
+        heads = tuple(as_int("kv_heads entry", h, minimum=0, maximum=self.num_kv_heads - 1) for h in kv_heads)
+        if list(heads) != sorted(set(heads)):
+            raise ValueError(f"kv_heads must be distinct and ascending, got {list(heads)}")
+        return heads
+
+    def _check_inputs(self, q: Tensor, k: Tensor, v: Tensor, kv_heads: tuple[int, ...]) -> None:
         for name, t in (("q", q), ("k", k), ("v", v)):
             if not isinstance(t, Tensor):
                 raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
             if t.dim() != 4:
                 raise ValueError(f"{name} must be 4-D [B, heads, seq, head_dim], got shape {tuple(t.shape)}")
-        if q.shape[1] != self.num_heads:
-            raise ValueError(f"q has {q.shape[1]} heads, expected num_heads={self.num_heads}")
+        subset = "" if len(kv_heads) == self.num_kv_heads else f" for kv_heads={list(kv_heads)}"
+        q_heads = len(kv_heads) * (self.num_heads // self.num_kv_heads)
+        if q.shape[1] != q_heads:
+            raise ValueError(f"q has {q.shape[1]} heads, expected {q_heads}{subset} (num_heads={self.num_heads})")
         for name, t in (("k", k), ("v", v)):
-            if t.shape[1] != self.num_kv_heads:
-                raise ValueError(f"{name} has {t.shape[1]} heads, expected num_kv_heads={self.num_kv_heads}")
+            if t.shape[1] != len(kv_heads):
+                raise ValueError(f"{name} has {t.shape[1]} heads, expected {len(kv_heads)}{subset} "
+                                 f"(num_kv_heads={self.num_kv_heads})")
             if t.device != q.device:
                 raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
             if t.dtype != q.dtype:
@@ -312,24 +327,30 @@ class HybridAttention(nn.Module):
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, modes: Tensor | int | str | None = None, *,
                 key_padding_mask: Tensor | None = None, positions: Positions | None = None,
-                scale: float | None = None) -> Tensor:
-        self._check_inputs(q, k, v)
+                scale: float | None = None, kv_heads: Sequence[int] | None = None) -> Tensor:
+        heads = self._kv_heads(kv_heads)
+        self._check_inputs(q, k, v, heads)
         geo = self._geometry(q, k, key_padding_mask, positions)
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
         call = AttentionCall(q, k, v, self.scale if scale is None else as_float("scale", scale, positive=True),
-                             geo, needs_grad)
+                             geo, needs_grad, heads)
         backend = self._choose_backend(call)
         head_modes, host_modes = self._head_modes(q, modes)
+        if len(heads) < self.num_kv_heads:  # a subset of the layer's heads (e.g. one group of a sparse KV cache)
+            group = self.num_heads // self.num_kv_heads
+            head_modes = head_modes[:, [h * group + i for h in heads for i in range(group)]]
+            host_modes = None if host_modes is None else tuple(host_modes[h] for h in heads)
         patterns = self._resolved(call, host_modes)
-        self._last = (geo, patterns, head_modes)
         groups = self._planners[backend].groups(call, host_modes)
+        self._last = (geo, patterns, head_modes, groups[0].heads.q_heads if len(groups) == 1 else
+                      torch.cat([g.heads.q_heads for g in groups]).sort().values)
         if len(groups) == 1:
             group = groups[0]
             return group.executor.run(call, patterns, GroupModes(head_modes, group.host_modes), group.heads)
         results = [(group, group.executor.run(call, patterns, GroupModes(head_modes[:, group.heads.q_index],
                                                                           group.host_modes), group.heads))
                    for group in groups]
-        out = _output_like(max((r for _, r in results), key=lambda r: r.shape[1]), self.num_heads)
+        out = _output_like(max((r for _, r in results), key=lambda r: r.shape[1]), q.shape[1])
         for group, result in results:
             if isinstance(group.heads.q_index, slice):
                 out[:, group.heads.q_index] = result
@@ -350,13 +371,15 @@ class HybridAttention(nn.Module):
         """MSR, ESR and block density of the last call (computed when read, from the patterns it used)."""
         if self._last is None:
             raise RuntimeError("last_stats is available after a forward call")
-        geo, patterns, head_modes = self._last
+        geo, patterns, head_modes, q_heads = self._last
         used = next(p for p in patterns if p is not None)
         patterns = [used if p is None else p for p in patterns]  # unused modes are never selected
+        rows = lambda t: t if t.shape[1] == 1 else t[:, q_heads]  # the call's heads of per-head patterns
         masks = [p.block_mask(geo) for p in patterns]
-        composed = BlockMaskStack.from_masks(masks, geo.num_heads).select(head_modes, masks[0].mask_mod)
+        composed = BlockMaskStack.from_masks(masks, geo.num_heads).select(head_modes, masks[0].mask_mod,
+                                                                          heads=q_heads)
         sparse = torch.tensor([not p.is_full for p in patterns], device=head_modes.device)
-        attended = gather_heads([p.attended(geo).sum(-1, keepdim=True) for p in patterns], head_modes)[..., 0]
+        attended = gather_heads([rows(p.attended(geo)).sum(-1, keepdim=True) for p in patterns], head_modes)[..., 0]
         causal_pairs = (geo.q_positions() + 1).clamp(min=0).sum(-1, keepdim=True)  # [B', 1]
         return AttentionStats(
             msr=model_sparsity_ratio(sparse[head_modes]),

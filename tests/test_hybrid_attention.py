@@ -219,7 +219,7 @@ def test_auto_plan_cost_model_prefers_split_only_for_long_sequences():
 
     def call(seq):
         q, k = torch.empty(1, 32, seq, 128), torch.empty(1, 8, seq, 128)
-        return AttentionCall(q, k, k, 1.0, Geometry(32, seq), needs_grad=False)
+        return AttentionCall(q, k, k, 1.0, Geometry(32, seq), needs_grad=False, kv_heads=tuple(range(8)))
 
     assert not split_pays(call(2048), 2)
     assert split_pays(call(65536), 2)
@@ -237,9 +237,32 @@ def test_one_mode_for_every_head_is_planned_on_the_host():
 
     _, host = attn._head_modes(q, "full")
     assert host == (0, 0, 0, 0)
-    call = AttentionCall(q, k, v, 0.25, Geometry(8, 40, block_size=16), needs_grad=False)
+    call = AttentionCall(q, k, v, 0.25, Geometry(8, 40, block_size=16), needs_grad=False, kv_heads=(0, 1, 2, 3))
     assert [g.executor.name for g in attn._planners["flex_eager"].groups(call, host)] == ["sdpa"]
     with pytest.raises(ValueError, match="unknown pattern 'nope'"):
         attn(q, k, v, modes="nope")
     with pytest.raises(ValueError, match="modes must be <= 2"):
         attn(q, k, v, modes=3)
+
+
+@pytest.mark.parametrize("backend", ["flex_eager", "dense"])
+def test_a_subset_of_kv_heads_equals_those_heads_of_the_whole_layer(backend):
+    """kv_heads runs some heads alone (a cache group); per-head patterns keep their head ids."""
+    from flexsparse.masks import ESA
+
+    patterns = dict(PATTERNS, esa=ESA(1, 4, 6, 8))
+    attn = HybridAttention(8, 4, 16, patterns, ["full", "esa", "ssa", "esa"], block_size=16, backend=backend)
+    q, k, v = qkv(2, 8, 4, 50)
+    whole = attn(q, k, v)
+    for heads in ([1, 3], [0, 2], [2]):
+        q_rows = [h * 2 + i for h in heads for i in range(2)]
+        part = attn(q[:, q_rows], k[:, heads], v[:, heads], kv_heads=heads)
+        torch.testing.assert_close(part, whole[:, q_rows], atol=ATOL, rtol=0)
+        assert 0 <= attn.last_stats.as_dict()["esr"] < 1
+    routed = torch.tensor([[3, 1, 0, 2], [2, 2, 1, 0]])
+    torch.testing.assert_close(attn(q[:, 2:6], k[:, 1:3], v[:, 1:3], modes=routed, kv_heads=[1, 2]),
+                               attn(q, k, v, modes=routed)[:, 2:6], atol=ATOL, rtol=0)
+    with pytest.raises(ValueError, match="ascending"):
+        attn(q[:, :4], k[:, :2], v[:, :2], kv_heads=[1, 0])
+    with pytest.raises(ValueError, match=r"k has 2 heads, expected 1 for kv_heads=\[3\]"):
+        attn(q[:, :2], k[:, :2], v[:, :2], kv_heads=[3])

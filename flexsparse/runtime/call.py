@@ -20,6 +20,8 @@ class AttentionCall:
     scale: float
     geometry: Geometry
     needs_grad: bool
+    kv_heads: tuple[int, ...]
+    """The layer's KV heads that k/v hold (all of them, or the subset a cache group passes)."""
 
     @property
     def group_size(self) -> int:
@@ -29,21 +31,26 @@ class AttentionCall:
 
 @dataclass(frozen=True, eq=False)
 class HeadSelection:
-    """A subset of a layer's KV heads and their query heads, as slices where contiguous (views, no copy)."""
+    """Some KV heads of a call and their query heads, as slices where contiguous (views, no copy)."""
 
     kv_heads: tuple[int, ...]
+    """Indices into the call's KV heads."""
     q_index: slice | Tensor
     kv_index: slice | Tensor
     q_heads: Tensor
-    """Query-head indices (int64 ``[H_sel]``): what a per-head pattern's mask_mod calls ``h``."""
+    """The layer's query-head ids (int64 ``[H_sel]``): what a per-head pattern's mask_mod calls ``h``."""
     is_all: bool
     """Every head of the layer, in order."""
 
     @classmethod
-    def of(cls, kv_heads: tuple[int, ...], group_size: int, num_kv_heads: int, device: torch.device) -> HeadSelection:
-        q_heads = [h * group_size + i for h in kv_heads for i in range(group_size)]
-        return cls(kv_heads, _index(q_heads, device), _index(list(kv_heads), device),
-                   torch.tensor(q_heads, dtype=torch.long, device=device), kv_heads == tuple(range(num_kv_heads)))
+    def of(cls, kv_heads: tuple[int, ...], call: AttentionCall, num_kv_heads: int) -> HeadSelection:
+        """Heads ``kv_heads`` (indices into the call's KV heads) of a call, in a layer of ``num_kv_heads``."""
+        group, device = call.group_size, call.q.device
+        local_q = [h * group + i for h in kv_heads for i in range(group)]
+        layer_q = [call.kv_heads[h] * group + i for h in kv_heads for i in range(group)]
+        return cls(kv_heads, _index(local_q, device), _index(list(kv_heads), device),
+                   torch.tensor(layer_q, dtype=torch.long, device=device),
+                   tuple(call.kv_heads[h] for h in kv_heads) == tuple(range(num_kv_heads)))
 
     def pick(self, call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]:
         """q, k, v of the selected heads (views when the heads are contiguous)."""

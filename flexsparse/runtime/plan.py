@@ -62,8 +62,10 @@ class Planner:
         self._cache: OrderedDict[tuple, list[HeadGroup]] = OrderedDict()
 
     def groups(self, call: AttentionCall, host_modes: tuple[int, ...] | None) -> list[HeadGroup]:
+        """Groups over the call's KV heads; ``host_modes`` gives their modes when the host knows them."""
         geo = call.geometry
-        key = (host_modes, geo.is_contiguous, geo.batch, geo.q_len, geo.kv_len, call.q.device, call.q.shape[0])
+        key = (host_modes, call.kv_heads, geo.is_contiguous, geo.batch, geo.q_len, geo.kv_len, call.q.device,
+               call.q.shape[0])
         groups = self._cache.get(key)
         if groups is None:
             groups = self._cache[key] = self._plan(call, host_modes)
@@ -73,7 +75,7 @@ class Planner:
         return groups
 
     def _all_heads(self, call: AttentionCall, host_modes) -> list[HeadGroup]:
-        heads = HeadSelection.of(tuple(range(self.num_kv_heads)), call.group_size, self.num_kv_heads, call.q.device)
+        heads = HeadSelection.of(tuple(range(len(call.kv_heads))), call, self.num_kv_heads)
         return [HeadGroup(self.sparse, heads, host_modes)]
 
     def _plan(self, call: AttentionCall, host_modes) -> list[HeadGroup]:
@@ -92,6 +94,6 @@ class Planner:
         groups = []
         for executor in dict.fromkeys(owner):  # in order of first appearance
             kv_heads = tuple(h for h, e in enumerate(owner) if e is executor)
-            heads = HeadSelection.of(kv_heads, call.group_size, self.num_kv_heads, call.q.device)
+            heads = HeadSelection.of(kv_heads, call, self.num_kv_heads)
             groups.append(HeadGroup(executor, heads, tuple(host_modes[h] for h in kv_heads)))
         return groups
