@@ -36,9 +36,9 @@ from torch import Tensor
 
 from flexsparse.kernels.xa_estimate import check_estimate_args
 
-_SCRATCH_BYTES = 1 << 30  # float32 block sums held per launch (rows x key blocks x heads)
+_SCRATCH_BYTES = 2 << 30  # float32 block sums held per launch (rows x key blocks x heads)
 _MAX_SELECT_BLOCKS = 16384  # key blocks a selection row holds in registers
-DEFAULT_CONFIG = (128, 128, 8, 2)  # BLOCK_M (query groups), BLOCK_N (key groups), num_warps, num_stages
+DEFAULT_CONFIG = (128, 256, 8, 2, False, False, False)  # BLOCK_M, BLOCK_N (groups), warps, stages, tma, dot, flat
 
 
 def _interpreting() -> bool:
@@ -60,13 +60,62 @@ def triton_supports(q: Tensor, stride: int, block_size: int) -> str | None:
 
 
 @triton.jit
+def _antidiagonal_product(acc, jt, t, bh, b, h, q_row, first_q, row_ok, q_len, q_start, valid_len, q_base, k_base,
+                          stride_qs, stride_ks, Q_DESC, K_DESC, HEADS: tl.constexpr, GROUP: tl.constexpr,
+                          STRIDE: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                          USE_TMA: tl.constexpr):
+    """acc += scores of query token ``stride-1-t`` of each row's group against key token ``t`` of each group."""
+    if USE_TMA:  # [B*H, groups, stride*d] views: one box per antidiagonal position, zeros past the end
+        q_tile = tl.reshape(Q_DESC.load([bh, q_row, (STRIDE - 1 - t) * HEAD_DIM]), [BLOCK_M, HEAD_DIM])
+        k_tile = tl.reshape(K_DESC.load([b * (HEADS // GROUP) + h // GROUP, jt * BLOCK_N, t * HEAD_DIM]),
+                            [BLOCK_N, HEAD_DIM])
+        return tl.dot(q_tile, k_tile.T, acc, input_precision=PRECISION)
+    dims = tl.arange(0, DIM_PAD)
+    qi = first_q + (STRIDE - 1 - t)
+    q_mask = (row_ok & (qi < q_len) & (q_start + qi < valid_len))[:, None]
+    if DIM_PAD != HEAD_DIM:
+        q_mask = q_mask & (dims[None, :] < HEAD_DIM)
+    q_tile = tl.load(q_base + qi.to(tl.int64)[:, None] * stride_qs + dims[None, :], mask=q_mask, other=0.0)
+    ki = (jt * BLOCK_N + tl.arange(0, BLOCK_N)) * STRIDE + t
+    k_mask = (ki < valid_len)[None, :]
+    if DIM_PAD != HEAD_DIM:
+        k_mask = k_mask & (dims[:, None] < HEAD_DIM)
+    k_tile = tl.load(k_base + ki.to(tl.int64)[None, :] * stride_ks + dims[:, None], mask=k_mask, other=0.0)
+    return tl.dot(q_tile, k_tile, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _softmax_tile(acc, jt, m_i, l_i, last_group, valid_groups, scale_log2, scratch, row_max, ones_blocks,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS_N: tl.constexpr, PER_BLOCK: tl.constexpr,
+                  SUM_BY_DOT: tl.constexpr, GEMM_ONLY: tl.constexpr):
+    """Online softmax over one tile of key groups; writes the rows' block sums and running max to the scratch."""
+    if GEMM_ONLY:  # timing diagnostic: the products alone
+        return m_i, l_i + tl.sum(acc, 1)
+    groups = jt * BLOCK_N + tl.arange(0, BLOCK_N)
+    seen = (groups[None, :] <= last_group[:, None]) & (groups[None, :] < valid_groups)
+    s = tl.where(seen, acc * scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(p, 1)
+    if SUM_BY_DOT:  # three tf32 products: float32 accuracy
+        sums = tl.dot(p, ones_blocks, input_precision="tf32x3")
+    else:
+        sums = tl.sum(tl.reshape(p, [BLOCK_M, BLOCKS_N, PER_BLOCK]), 2)
+    tl.store(scratch + jt * BLOCKS_N + tl.arange(0, BLOCKS_N)[None, :], sums)
+    tl.store(row_max + jt, m_new)
+    return m_new, l_i
+
+
+@triton.jit
 def _block_mass_kernel(
-    Q, K, KV_VALID, MASS, SCRATCH, ROW_MAX,
+    Q, K, Q_DESC, K_DESC, KV_VALID, MASS, SCRATCH, ROW_MAX,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_mb, stride_mh, stride_mq,
     q_len, kv_len, q_start, row0, chunk_rows, kv_blocks, scratch_rows, tiles_max, scale_log2,
     HEADS: tl.constexpr, GROUP: tl.constexpr, STRIDE: tl.constexpr, HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr, PER_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_VALID: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCKS_N: tl.constexpr, Q_BLOCKS_M: tl.constexpr, HAS_VALID: tl.constexpr, PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr, SUM_BY_DOT: tl.constexpr, FLAT: tl.constexpr, GEMM_ONLY: tl.constexpr,
 ):
     bh = tl.program_id(0)
     tile = tl.num_programs(1) - 1 - tl.program_id(1)  # the rows that see the most keys first
@@ -84,58 +133,65 @@ def _block_mass_kernel(
     seen_groups = tl.minimum((q_start + last_row * STRIDE) // STRIDE + 1, valid_groups)
     n_tiles = tl.cdiv(seen_groups, BLOCK_N)
 
-    dims = tl.arange(0, DIM_PAD)
     q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
     k_base = K + b.to(tl.int64) * stride_kb + (h // GROUP).to(tl.int64) * stride_kh
-    blocks_n: tl.constexpr = BLOCK_N // PER_BLOCK
-    scratch_cols = tiles_max * blocks_n
+    scratch_cols = tiles_max * BLOCKS_N
     scratch = SCRATCH + bh.to(tl.int64) * scratch_rows * scratch_cols + local[:, None] * scratch_cols
     row_max = ROW_MAX + bh.to(tl.int64) * scratch_rows * tiles_max + local * tiles_max
-    cols = tl.arange(0, blocks_n)
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    for jt in range(0, n_tiles):
-        groups = jt * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for t in range(STRIDE):
-            qi = first_q + (STRIDE - 1 - t)
-            q_ok = row_ok & (qi < q_len) & (q_start + qi < valid_len)
-            q_tile = tl.load(q_base + qi.to(tl.int64)[:, None] * stride_qs + dims[None, :],
-                             mask=q_ok[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
-            ki = groups * STRIDE + t
-            k_tile = tl.load(k_base + ki.to(tl.int64)[None, :] * stride_ks + dims[:, None],
-                             mask=(ki < valid_len)[None, :] & (dims[:, None] < HEAD_DIM), other=0.0)
-            acc = tl.dot(q_tile, k_tile, acc, input_precision=PRECISION)
-        seen = (groups[None, :] <= last_group[:, None]) & (groups[None, :] < valid_groups)
-        s = tl.where(seen, acc * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(p, 1)
-        m_i = m_new
-        sums = tl.sum(tl.reshape(p, [BLOCK_M, blocks_n, PER_BLOCK]), 2)
-        tl.store(scratch + jt * blocks_n + cols[None, :], sums)
-        tl.store(row_max + jt, m_i)
+    # block sums as a product with a 0/1 matrix [BLOCK_N, BLOCKS_N] (tensor cores, no layout change)
+    ones_blocks = (tl.arange(0, BLOCK_N)[:, None] // PER_BLOCK == tl.arange(0, BLOCKS_N)[None, :]).to(tl.float32)
+    q_row = row0 + tile * BLOCK_M
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if FLAT:  # one loop over (key tile, antidiagonal position): loads stream across tile boundaries
+        for step in range(0, n_tiles * STRIDE):
+            jt = step // STRIDE
+            t = step % STRIDE
+            acc = _antidiagonal_product(acc, jt, t, bh, b, h, q_row, first_q, row_ok, q_len, q_start, valid_len,
+                                        q_base, k_base, stride_qs, stride_ks, Q_DESC, K_DESC, HEADS, GROUP, STRIDE,
+                                        HEAD_DIM, DIM_PAD, BLOCK_M, BLOCK_N, PRECISION, USE_TMA)
+            if t == STRIDE - 1:
+                m_i, l_i = _softmax_tile(acc, jt, m_i, l_i, last_group, valid_groups, scale_log2, scratch, row_max,
+                                         ones_blocks, BLOCK_M, BLOCK_N, BLOCKS_N, PER_BLOCK, SUM_BY_DOT, GEMM_ONLY)
+                acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    else:
+        for jt in range(0, n_tiles):
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for t in range(STRIDE):
+                acc = _antidiagonal_product(acc, jt, t, bh, b, h, q_row, first_q, row_ok, q_len, q_start,
+                                            valid_len, q_base, k_base, stride_qs, stride_ks, Q_DESC, K_DESC, HEADS,
+                                            GROUP, STRIDE, HEAD_DIM, DIM_PAD, BLOCK_M, BLOCK_N, PRECISION, USE_TMA)
+            m_i, l_i = _softmax_tile(acc, jt, m_i, l_i, last_group, valid_groups, scale_log2, scratch, row_max,
+                                     ones_blocks, BLOCK_M, BLOCK_N, BLOCKS_N, PER_BLOCK, SUM_BY_DOT, GEMM_ONLY)
+    if GEMM_ONLY:
+        tl.store(MASS + bh.to(tl.int64) * stride_mh + tl.arange(0, BLOCK_M), l_i)
+        return
     tl.debug_barrier()  # the scratch written above is read back below by other threads of this program
     inv = tl.where(row_ok & (l_i > 0), 1.0 / l_i, 0.0)
-    q_blocks_m: tl.constexpr = BLOCK_M // PER_BLOCK
-    qb = tile * q_blocks_m + tl.arange(0, q_blocks_m)
+    qb = tile * Q_BLOCKS_M + tl.arange(0, Q_BLOCKS_M)
     mass_base = MASS + b.to(tl.int64) * stride_mb + h.to(tl.int64) * stride_mh + qb.to(tl.int64)[:, None] * stride_mq
     qb_ok = qb < chunk_rows // PER_BLOCK
+    cols = tl.arange(0, BLOCKS_N)
     for jt in range(0, n_tiles):
-        sums = tl.load(scratch + jt * blocks_n + cols[None, :])
+        sums = tl.load(scratch + jt * BLOCKS_N + cols[None, :])
         weight = tl.exp2(tl.load(row_max + jt) - m_i) * inv
-        block_mass = tl.sum(tl.reshape(sums * weight[:, None], [q_blocks_m, PER_BLOCK, blocks_n]), 1)
-        kb = jt * blocks_n + cols
+        block_mass = tl.sum(tl.reshape(sums * weight[:, None], [Q_BLOCKS_M, PER_BLOCK, BLOCKS_N]), 1)
+        kb = jt * BLOCKS_N + cols
         tl.store(mass_base + kb[None, :], block_mass, mask=qb_ok[:, None] & (kb < kv_blocks)[None, :])
 
 
 def block_mass_triton(q: Tensor, k: Tensor, stride: int, block_size: int, *, q_start: int | None = None,
                       kv_valid_len: Tensor | None = None,
-                      config: tuple[int, int, int, int] | None = None) -> Tensor:
+                      config: tuple | None = None, gemm_only: bool = False) -> Tensor:
     """The fused estimator: float32 ``[B, H_q, QB, KB]``, as :func:`~flexsparse.kernels.xa_estimate.block_mass_torch`.
 
-    ``config``: (BLOCK_M, BLOCK_N, num_warps, num_stages), default :data:`DEFAULT_CONFIG` (raised to
-    ``block_size / stride`` where smaller).
+    ``config``: (BLOCK_M, BLOCK_N, num_warps, num_stages, tma, sum_by_dot, flat), default :data:`DEFAULT_CONFIG`
+    (tiles raised to ``block_size / stride`` where smaller). ``tma`` loads q/k tiles with tensor descriptors
+    where the layout allows (16-bit inputs, power-of-two head_dim, lengths divisible by ``stride``, no
+    ``kv_valid_len``), else pointers; ``sum_by_dot`` sums key blocks on tensor cores; ``flat`` runs one loop over
+    (key tile, antidiagonal position) instead of two nested ones. ``gemm_only``: timing
+    diagnostic (garbage output).
     """
     stride, block_size, q_start = check_estimate_args(q, k, stride, block_size, q_start, kv_valid_len)
     reason = triton_supports(q, stride, block_size)
@@ -143,19 +199,21 @@ def block_mass_triton(q: Tensor, k: Tensor, stride: int, block_size: int, *, q_s
         raise ValueError(f"the Triton estimator does not support these inputs: {reason}")
     if k.dtype != q.dtype:
         raise ValueError(f"q ({q.dtype}) and k ({k.dtype}) must share a dtype")
-    block_m, block_n, num_warps, num_stages = config or DEFAULT_CONFIG
+    block_m, block_n, num_warps, num_stages, tma, sum_by_dot, flat = config or DEFAULT_CONFIG
     per_block = block_size // stride
     block_m, block_n = max(block_m, per_block, 16), max(block_n, per_block, 16)
     q, k = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k))
     batch, heads, q_len, dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
+    descriptors = _descriptors(q, k, stride, block_m, block_n) if tma and kv_valid_len is None else None
     q_blocks, kv_blocks = -(-q_len // block_size), -(-kv_len // block_size)
     mass = torch.zeros(batch, heads, q_blocks, kv_blocks, device=q.device, dtype=torch.float32)
     rows = q_blocks * per_block
     tiles_max = -(-(-(-kv_len // stride)) // block_n)
     per_row_bytes = batch * heads * (tiles_max * (block_n // per_block) + tiles_max) * 4
-    chunk = max(block_m, _SCRATCH_BYTES // per_row_bytes // block_m * block_m)
-    chunk = min(chunk, -(-rows // block_m) * block_m)
+    most = max(block_m, _SCRATCH_BYTES // per_row_bytes // block_m * block_m)
+    launches = -(-rows // most)
+    chunk = -(-rows // launches // block_m) * block_m  # equal launches rather than a short last one
     scratch = torch.empty(batch * heads, chunk, tiles_max * (block_n // per_block), device=q.device)
     row_max = torch.empty(batch * heads, chunk, tiles_max, device=q.device)
     valid = kv_valid_len if kv_valid_len is not None else mass  # any tensor: not read without HAS_VALID
@@ -165,17 +223,37 @@ def block_mass_triton(q: Tensor, k: Tensor, stride: int, block_size: int, *, q_s
         part = mass[:, :, row0 // per_block:]
         grid = (batch * heads, -(-chunk_rows // block_m))
         _block_mass_kernel[grid](
-            q, k, valid, part, scratch, row_max,
+            q, k, *(descriptors or (q, k)), valid, part, scratch, row_max,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             part.stride(0), part.stride(1), part.stride(2),
             q_len, kv_len, q_start, row0, chunk_rows, kv_blocks, chunk, tiles_max, scale_log2,
             HEADS=heads, GROUP=heads // kv_heads, STRIDE=stride, HEAD_DIM=dim,
             DIM_PAD=max(16, triton.next_power_of_2(dim)), PER_BLOCK=per_block, BLOCK_M=block_m,
-            BLOCK_N=block_n, HAS_VALID=kv_valid_len is not None,
-            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            BLOCK_N=block_n, BLOCKS_N=block_n // per_block, Q_BLOCKS_M=block_m // per_block,
+            HAS_VALID=kv_valid_len is not None,
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", USE_TMA=descriptors is not None,
+            SUM_BY_DOT=sum_by_dot and block_n // per_block >= 16, FLAT=flat, GEMM_ONLY=gemm_only,
             num_warps=num_warps, num_stages=num_stages,
         )
     return mass
+
+
+def _descriptors(q: Tensor, k: Tensor, stride: int, block_m: int, block_n: int):
+    """Tensor descriptors of q and k as ``[B*H, groups, stride*d]`` (boxes of one antidiagonal position), or None
+    where that layout is not available."""
+    dim = q.shape[-1]
+    if q.dtype not in (torch.float16, torch.bfloat16) or dim & (dim - 1) or not 16 <= dim <= 256:
+        return None
+    if q.shape[2] % stride or k.shape[2] % stride or block_m > 256 or block_n > 256:
+        return None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    try:
+        views = [t.view(t.shape[0] * t.shape[1], t.shape[2] // stride, stride * dim) for t in (q, k)]
+        return (TensorDescriptor.from_tensor(views[0], [1, block_m, dim]),
+                TensorDescriptor.from_tensor(views[1], [1, block_n, dim]))
+    except (RuntimeError, AssertionError):  # not viewable, or not 16-byte aligned
+        return None
 
 
 @triton.jit
@@ -223,7 +301,7 @@ def _select_kernel(
 
 
 def select_blocks_triton(mass: Tensor, threshold: Tensor, diag_lo: Tensor, diag_hi: Tensor, row_ok: Tensor, *,
-                         plus_one: bool) -> Tensor:
+                         plus_one: bool, num_warps: int | None = None) -> Tensor:
     """Bool ``[B, H, QB, KB]`` from masses ``[B, H, QB, KB]``, thresholds ``[H]`` and the rows' geometry
     (``[B', QB]`` each, from :func:`flexsparse.masks.xa_selection.block_rows`). Use
     :func:`flexsparse.masks.xa_selection.select_blocks`, which checks the arguments."""
@@ -236,7 +314,7 @@ def select_blocks_triton(mass: Tensor, threshold: Tensor, diag_lo: Tensor, diag_
     out = torch.empty(batch, heads, q_blocks, kv_blocks, device=mass.device, dtype=torch.int8)
     geometry = [t.to(device=mass.device, dtype=torch.int32).contiguous() for t in (diag_lo, diag_hi, row_ok)]
     block_kb = max(16, triton.next_power_of_2(kv_blocks))
-    warps = 4 if block_kb <= 2048 else 8 if block_kb <= 8192 else 16
+    warps = num_warps or (1 if block_kb <= 1024 else 2 if block_kb <= 2048 else 4 if block_kb <= 4096 else 8)
     _select_kernel[(batch * heads * q_blocks,)](
         mass, threshold.float().contiguous(), *geometry, out,
         mass.stride(0), mass.stride(1), mass.stride(2), q_blocks if geometry[0].shape[0] > 1 else 0,
