@@ -85,6 +85,8 @@ def _check_mass_threshold(mass: Tensor, threshold: Tensor | float, rule: str) ->
         raise TypeError(f"mass must be a float tensor [B, H, QB, KB], got {getattr(mass, 'shape', mass)!r:.80}")
     if rule not in RULES:
         raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
+    if isinstance(threshold, (int, float)) and not isinstance(threshold, bool):  # a fill, not a host-to-device copy
+        threshold = torch.full((1,), float(threshold), device=mass.device)
     threshold = torch.as_tensor(threshold, dtype=torch.float32, device=mass.device).flatten()
     if threshold.numel() not in (1, mass.shape[1]):
         raise ValueError(f"threshold has {threshold.numel()} values; mass has {mass.shape[1]} heads")
