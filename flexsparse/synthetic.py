@@ -11,27 +11,31 @@ each of those in q and k, so the logit ``q_i . k_j / sqrt(d)`` of a query at pos
   + locality     L_h * c_h(i - j)                         c_h(0) = 1, decays as RoPE pairs dephase
   + sink         S_h                                      j = 0 only
   + anchors      A_h                                      j in a random 1% of positions (shared by a group)
-  + needles      N_h                                      j = a needle's 1-4 tokens, i in the needle's readers
+  + needles      N_h                                      j = a needle's 4-16 tokens, i in the needle's readers
 
-up to cross terms of the order of the noise. Locality is built the way RoPE builds it: q and k carry one shared
-direction rotated by their positions, q_i = R(i) (a * f_h), k_j = R(j) a, with rotation frequencies
-theta_m = 10000^(-2m/d); ``c_h(t)`` is the energy-weighted mean of cos(t theta_m) over the frequencies head h
-keeps (``f_h`` masks out frequencies below 1 / width_h), so each query head of a group has its own window width
-while the keys are shared, as under GQA. A needle is a run of 1-4 keys carrying a direction that its readers'
-queries carry too: the queries after the needle in a random span, plus the last 5% of the sequence (a question
-at the end of a prompt).
+up to cross terms of the order of the noise. The first half of the head dimensions carries locality the way RoPE
+builds it: q and k hold one shared direction rotated by their positions, q_i = R(i) (a * f_h), k_j = R(j) a, with
+rotation frequencies 10000^(-2m / (d/2)); ``c_h(t)`` is the energy-weighted mean of cos(t theta_m) over the
+frequencies head h keeps (``f_h`` drops those below 1 / width_h), so each query head of a group has its own
+window width while the keys are shared, as under GQA. The second half carries content: Gaussian noise and
+orthonormal directions for the sink, the anchors and the needles (keys carry each feature with norm 2 sqrt(d),
+queries with the coefficient that gives the logit above). A needle is a run of 4-16 keys whose direction its
+readers' queries carry too: the queries in a random span after it, plus the last 5% of the sequence (a question at
+the end of a prompt).
 
-Every KV head (and its group of query heads) gets one *kind*, in turn:
+Every KV head (and its group of query heads) gets a *kind*, cycling through ``KINDS`` (3 local, 2 retrieval,
+2 anchors, 1 diffuse in 8):
 
-``local``      strong sink, sharp window (32-512 tokens), no needles: a streaming head;
-``retrieval``  moderate sink, broad window, 4 needles with strong logits: a retrieval head;
-``anchors``    sink, medium window and vertical stripes;
-``diffuse``    weak sink and window, high noise: a head that reads everything (dense under any threshold).
+``local``      strong sink (logit 16-22), window peak 16-24 over 64-1024 tokens, no needles: a streaming head;
+``retrieval``  sink 14-18, broad window (peak 10-16 over 256-2048 tokens), 4 needles at logit 20;
+``anchors``    sink 14-20, window peak 12-18 over 64-1024 tokens, anchor stripes at logit 12;
+``diffuse``    weak sink and window (4-6), noise 1.0-1.5: a head that reads everything.
 
-Each query head scales its group's strengths by its own factor in [0.6, 1.4] and draws its own window width, so
-heads of a group differ. Magnitudes (logits of 6-13 above the noise for sinks and needles, 4-9 for the window
-peak) make the first token take 20-80% of a local head's attention at 4K-16K tokens, as in LLMs.
-Generated on ``device`` with a seeded generator: the same seed gives the same tensors on the same device type.
+Each query head scales its group's strengths by its own factor in [0.6, 1.4] and draws its own window width and
+noise (0.6-1.0 outside diffuse heads). Measured at 4K-16K tokens (exact softmax): key 0 takes 29-57% of a local
+head's attention and its last 256 tokens 34-60%; a diffuse head gives key 0 about 4%. Parameters are drawn anew
+for each length. Generated on ``device`` with a seeded generator: the same seed gives the same tensors on the same
+device type.
 """
 
 from __future__ import annotations

@@ -1,13 +1,15 @@
 """XAttention's block selection: from estimated block masses to the kept (query block, key block) pairs.
 
-Every query block keeps its *forced* blocks, the sink (key block 0) and the diagonal (the key blocks that hold
-its own positions: one when positions are block-aligned, two when a bottom-right offset makes the block straddle
-two key blocks), then further causal key blocks, heaviest estimated mass first:
+Every query block keeps the sink (key block 0) and its *diagonal band* (the key blocks that hold its own
+positions: one when positions are block-aligned, two when a bottom-right offset makes the block straddle two key
+blocks), then further causal key blocks, heaviest estimated mass first, until the kept mass reaches ``threshold``
+of the row's estimated mass:
 
-``rule="minimal"``   the fewest blocks whose estimated mass, with the forced ones, reaches ``threshold`` of the
-                     row's estimated mass;
-``rule="plus_one"``  (default) the minimal set and the next-heaviest block: one block of margin for the error of
-                     the estimate (a block of zero estimated mass is never added).
+``rule="minimal"``   the sink and the band count first; then the fewest further blocks that reach the threshold;
+``rule="plus_one"``  (default) the band counts first; every other causal block, the sink included, is ranked by
+                     mass; the fewest ranked blocks that reach the threshold, *plus the next one* (never a block of
+                     zero estimated mass); the sink is kept in any case. One block of margin for the error of the
+                     estimate; a superset of ``"minimal"`` (at most two blocks more per row).
 
 The reference's rule (mit-han-lab/x-attention, ``find_blocks_chunked``), in our words: rows are processed in
 chunks of query blocks (16K tokens at most, 2K from 128K tokens on, by its default chunk size). In a row it marks
@@ -15,12 +17,12 @@ the sink and the diagonal as forced, sorts the remaining blocks by mass, and bui
 with the forced mass; a sorted block is kept while the sum *before* it is below ``threshold * row mass``. That is
 ``"minimal"``. But in the first chunk (the rows whose diagonal lies in key blocks ``0 .. chunk``, i.e. every row
 when the sequence fits one chunk), writing the diagonal overwrites the sink column, so only the diagonal is
-forced while the running sum still skips two sorted places: the heaviest non-diagonal block (almost always the
-sink) is kept unconditionally and every later block is judged by the sum before its predecessor. There the
-reference keeps exactly ``"plus_one"``'s set whenever the sink is the heaviest off-diagonal block. Its extra
-block is what makes its kept *true* attention mass exceed the minimal set's, so which rows get it depends on the
-chunk size and the sequence length. ``"plus_one"`` gives every row that margin, at every length: on inputs with
-real-attention structure it keeps at least the reference's share of rows above the threshold at a density within
+forced while the running sum still skips two sorted places: the heaviest non-diagonal block is kept
+unconditionally and every later block is judged by the sum before its predecessor; the sink comes back through
+its index trick (dropped places select column 0). That is exactly ``"plus_one"``. Its extra block is what makes
+the reference's kept *true* attention mass exceed the minimal set's, so which rows get it depends on the chunk
+size and the sequence length. ``"plus_one"`` gives every row that margin at every length: it equals the
+reference where the prompt fits one chunk (<= 16K tokens) and keeps a superset of it beyond, at a density within
 0.01 of the reference's (docs/notes/xa.md has the measurements).
 
 ``threshold >= 1`` keeps every causal block. Query blocks whose positions are all padding (at or past

@@ -1,4 +1,5 @@
-"""Pictures of patterns: the attention mask per head (and per layer), like the ESA paper's figures."""
+"""Pictures of patterns: the attention mask per head (and per layer), like the ESA paper's figures, and XAttention's
+resolved block tables for a given input."""
 
 from __future__ import annotations
 
