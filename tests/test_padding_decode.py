@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from flexsparse import HybridAttention, Positions
-from flexsparse.masks import ESA, Causal, SinkWindow, TriangleMix
+from flexsparse.masks import ESA, Causal, SinkWindow, TriangleMix, XAttention
 from flexsparse.reference import attention as reference
 from tests.test_hybrid_attention import qkv
 
@@ -22,6 +22,7 @@ PATTERNS = {
     "ssa": SinkWindow(sink=3, window=9),
     "esa": ESA(2, 4, 6, HEADS),
     "ta": TriangleMix(sink=2, window=6, last_q=5),
+    "xa": XAttention(0.7, stride=4, block_size=16),
 }
 TOL = 1e-5
 
@@ -76,7 +77,8 @@ def test_decode_and_chunks_match_reference_and_prefill(backend, name, q_len):
     q, k, v = qkv(2, HEADS, KV_HEADS, 70, dim=DIM, seed=1)
     prefill = attn(q, k, v)
     chunk = attn(q[:, :, -q_len:], k, v)
-    torch.testing.assert_close(chunk, prefill[:, :, -q_len:], atol=TOL, rtol=0)
+    if name != "xa":  # XA estimates a chunk on its own queries, and decodes as full attention
+        torch.testing.assert_close(chunk, prefill[:, :, -q_len:], atol=TOL, rtol=0)
     expected = reference(q[:, :, -q_len:], k, v, attn.reference_mask(q[:, :, -q_len:], k))
     torch.testing.assert_close(chunk, expected, atol=TOL, rtol=0)
 

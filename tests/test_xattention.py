@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from flexsparse import HybridAttention
 from flexsparse.kernels.xa_estimate import antidiagonal_block_mass
-from flexsparse.masks import Causal, Geometry, SinkWindow, TriangleMix, XAttention
+from flexsparse.masks import BlockTable, Causal, Geometry, SinkWindow, TriangleMix, XAttention
 from flexsparse.masks.xa_selection import select_blocks
 from flexsparse.reference import attention as reference
 from flexsparse.verify import causal, receptive_field
@@ -52,7 +52,7 @@ def test_estimator_matches_the_literal_scoring(seq, stride, block):
 def test_selection_reaches_the_threshold_with_the_fewest_blocks(seed, threshold, blocks):
     gen = torch.Generator().manual_seed(seed)
     mass = torch.rand(1, 2, blocks, blocks, generator=gen) ** 4
-    keep = select_blocks(mass, torch.full((2,), threshold))
+    keep = select_blocks(mass, torch.full((2,), threshold), rule="minimal")
     causal_mask = torch.ones(blocks, blocks, dtype=torch.bool).tril()
     row_mass = (mass * causal_mask).sum(-1)
     kept = (mass * keep).sum(-1)
@@ -142,7 +142,7 @@ def test_xattention_rejects_bad_arguments(kwargs, error, match):
     "q_shape,k_shape,match",
     [
         ((1, 4, 64, 16), (1, 3, 64, 16), "multiple"),
-        ((1, 4, 64, 16), (1, 2, 60, 16), "prefill"),
+        ((1, 4, 64, 16), (1, 2, 60, 16), "must not exceed kv_len"),
         ((1, 4, 64, 16), (1, 2, 64, 8), "head_dim"),
         ((4, 64, 16), (1, 2, 64, 16), "4-D"),
     ],
@@ -190,3 +190,19 @@ def test_triangle_mix_in_a_hybrid_layer():
 def test_triangle_mix_rejects_bad_arguments(kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         TriangleMix(**kwargs)
+
+
+def test_chunked_prefill_estimates_the_chunk_and_decode_runs_full():
+    """A chunk of >= block_size queries gets its own bottom-right estimate (rows from its first query); fewer
+    queries (decode) run full causal attention."""
+    q, k, v = qkv(1, 4, 2, 150, seed=4)
+    xa = XAttention(0.6, stride=8, block_size=32)
+    chunk = xa.resolve(q[:, :, -70:], k)
+    assert isinstance(chunk, BlockTable) and chunk.q_start == 80
+    assert_pattern_consistent(chunk, Geometry(4, 70, 150, block_size=32))
+    assert_pattern_consistent(chunk, Geometry(4, 70, 150, block_size=16))
+    assert isinstance(xa.resolve(q[:, :, -5:], k), Causal)
+    attn = HybridAttention(4, 2, 16, {"xa": xa}, block_size=32, backend="flex_eager")
+    out = attn(q[:, :, -70:], k, v)
+    expected = reference(q[:, :, -70:], k, v, attn.reference_mask(q[:, :, -70:], k))
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)

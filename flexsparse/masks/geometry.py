@@ -53,6 +53,8 @@ class Positions:
     q: Tensor
     kv: Tensor
     span: int
+    is_contiguous_layout: bool = False
+    """The contiguous layout as tables (no padding): set by :meth:`contiguous`, known on the host."""
     memo: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -94,7 +96,7 @@ class Positions:
     def contiguous(cls, q_len: int, kv_len: int, device: torch.device | str = "cpu") -> Positions:
         """The contiguous layout as tables (queries are the last ``q_len`` positions of ``kv_len``)."""
         kv = torch.arange(kv_len, dtype=torch.int32, device=device)[None]
-        return cls(kv[:, kv_len - q_len:], kv, kv_len)
+        return cls(kv[:, kv_len - q_len:], kv, kv_len, is_contiguous_layout=True)
 
     @property
     def batch(self) -> int:
