@@ -44,9 +44,18 @@ BLOCK_KEYS = 16
 """Key positions per dK/dV program."""
 DECODE_MAX_QUERIES = BLOCK_QUERIES - 1
 """Up to this many queries per sequence, the per-row gather kernel runs instead of the tile kernel."""
-KERNEL_CONFIG = {"forward_warps": 4, "forward_stages": 2, "heads_per_program": 0, "lazy_rescale": True,
-                 "forward_split": True, "dq_warps": 4, "dkdv_warps": 4, "dkdv_queries": 16, "decode_warps": 4}
-"""Launch settings (``heads_per_program`` 0 = the whole KV group), measured on an H100: docs/notes/esa-kernel.md."""
+KERNEL_CONFIG = {
+    "heads_per_program": 0,  # query heads of one KV group per forward/dQ program; 0: the whole group
+    "forward_warps": 0,  # 0: one warp per head of the program
+    "forward_stages": 2,
+    "lazy_rescale": True,  # rescale the running output only when some row's max grew by more than 2**8
+    "forward_split": False,  # P enters the P @ V dot as bf16 (as in FlashAttention); True: as two bf16 parts
+    "dq_warps": 0,
+    "dkdv_warps": 2,
+    "dkdv_queries": 16,
+    "decode_warps": 4,
+}
+"""Launch settings, chosen from the compiler's SASS (instruction counts per slot) on CPU: docs/notes/esa-kernel.md."""
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _LOG2E = 1.4426950408889634
@@ -60,14 +69,18 @@ _RESCALE_THRESHOLD = tl.constexpr(8.0)  # log2 units: the running max may lag th
 
 @triton.jit
 def _round_div(num, DEN: tl.constexpr):
-    """round(num / DEN) with ties to even, for int tensors num >= 0."""
-    if DEN % 2 == 1:
-        return (num + DEN // 2) // DEN
+    """round(num / DEN) with ties to even, for int32 tensors 0 <= num < 2**31, in unsigned arithmetic: a shift for
+    a power of two DEN, a multiply-high for an odd one."""
+    n = num.to(tl.uint32)
+    if DEN % 2 == 1:  # never a tie
+        quotient = (n + DEN // 2) // DEN
+    elif (DEN & (DEN - 1)) == 0:  # a tie (remainder DEN / 2) rounds up only from an odd quotient
+        quotient = (n + (DEN // 2 - 1) + ((n // DEN) & 1)) // DEN
     else:
-        twice = 2 * num + DEN
+        twice = 2 * n + DEN
         quotient = twice // (2 * DEN)
-        tie_to_odd = (quotient * (2 * DEN) == twice) & (quotient % 2 == 1)
-        return quotient - tie_to_odd.to(num.dtype)
+        quotient = quotient - ((quotient * (2 * DEN) == twice) & (quotient % 2 == 1)).to(tl.uint32)
+    return quotient.to(tl.int32)
 
 
 @triton.jit
@@ -126,27 +139,41 @@ def _query_rows(r, batch, q_len, span, first_pos, SORTED_POS, ORDER, stride_pos_
 
 @triton.jit
 def _key_slots(kpos, needed, SLOTS_B, kv_len, span, HAS_SLOTS: tl.constexpr):
-    """Slots (int64, 0 where absent) and presence of key positions kpos."""
+    """Slots (int32, 0 where absent) and presence of key positions kpos."""
     if HAS_SLOTS:
         slot = tl.load(SLOTS_B + kpos, mask=needed & (kpos < span), other=-1)
     else:
         slot = kpos
     present = needed & (slot >= 0) & (slot < kv_len)
-    return tl.where(present, slot, 0).to(tl.int64), present
+    return tl.where(present, slot, 0), present
 
 
 @triton.jit
-def _key_range_tiles(K_B, V_B, SLOTS_B, key, ok, lo, stride_ks, stride_vs, kv_len, span,
-                     BM: tl.constexpr, D: tl.constexpr, HAS_SLOTS: tl.constexpr):
-    """K and V tiles [HEADS, BM, D] of key positions lo + c (each head its own lo), only rows some query needs,
+def _row_offsets(slot, stride_ks, stride_vs, WIDE: tl.constexpr, SAME_KV_STRIDE: tl.constexpr):
+    """Element offsets of key rows in K and in V: int32 unless the launcher found that they may overflow it."""
+    if WIDE:
+        slot = slot.to(tl.int64)
+    row_k = slot * stride_ks
+    if SAME_KV_STRIDE:
+        row_v = row_k
+    else:
+        row_v = slot * stride_vs
+    return row_k, row_v
+
+
+@triton.jit
+def _key_range_tiles(K_B, V_B, SLOTS_B, key, ok, lo, hi, stride_ks, stride_vs, kv_len, span,
+                     BM: tl.constexpr, D: tl.constexpr, HAS_SLOTS: tl.constexpr, WIDE: tl.constexpr,
+                     SAME_KV_STRIDE: tl.constexpr):
+    """K and V tiles [HEADS, BM, D] of key positions lo + c (c < BM, each head its own lo, rows past hi skipped)
     and the selection [HEADS, BM queries, BM columns]: column c holds query r's key."""
     cols = tl.arange(0, BM)
     dims = tl.arange(0, D)
-    hi = tl.max(tl.where(ok, key, -1), axis=1)
     kpos = lo[:, None] + cols[None, :]
     slot, present = _key_slots(kpos, kpos <= hi[:, None], SLOTS_B, kv_len, span, HAS_SLOTS)
-    k = tl.load(K_B + slot[:, :, None] * stride_ks + dims[None, None, :], mask=present[:, :, None], other=0.0)
-    v = tl.load(V_B + slot[:, :, None] * stride_vs + dims[None, None, :], mask=present[:, :, None], other=0.0)
+    row_k, row_v = _row_offsets(slot, stride_ks, stride_vs, WIDE, SAME_KV_STRIDE)
+    k = tl.load(K_B + row_k[:, :, None] + dims[None, None, :], mask=present[:, :, None], other=0.0)
+    v = tl.load(V_B + row_v[:, :, None] + dims[None, None, :], mask=present[:, :, None], other=0.0)
     select = ((key - lo[:, None])[:, :, None] == cols[None, None, :]) & ok[:, :, None] & present[:, None, :]
     return k, v, select
 
@@ -167,12 +194,13 @@ def _dot_fp32_lhs(a, b, acc, PRECISION: tl.constexpr, SPLIT: tl.constexpr):
 
 
 @triton.jit
-def _forward_chunk(q, acc, l_sum, m_max, key, ok, lo, K_B, V_B, SLOTS_B, stride_ks, stride_vs, kv_len, span,
-                   scale_log2, BM: tl.constexpr, D: tl.constexpr, HAS_SLOTS: tl.constexpr,
-                   LAZY_RESCALE: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr):
+def _forward_chunk(q, acc, l_sum, m_max, key, ok, lo, hi, K_B, V_B, SLOTS_B, stride_ks, stride_vs, kv_len, span,
+                   scale_log2, BM: tl.constexpr, D: tl.constexpr, HAS_SLOTS: tl.constexpr, WIDE: tl.constexpr,
+                   SAME_KV_STRIDE: tl.constexpr, LAZY_RESCALE: tl.constexpr, PRECISION: tl.constexpr,
+                   SPLIT: tl.constexpr):
     """Online-softmax step over one key tile per head: each query row gains at most one key."""
-    k, v, select = _key_range_tiles(K_B, V_B, SLOTS_B, key, ok, lo, stride_ks, stride_vs, kv_len, span, BM, D,
-                                    HAS_SLOTS)
+    k, v, select = _key_range_tiles(K_B, V_B, SLOTS_B, key, ok, lo, hi, stride_ks, stride_vs, kv_len, span, BM,
+                                    D, HAS_SLOTS, WIDE, SAME_KV_STRIDE)
     scores = tl.dot(q, tl.trans(k, 0, 2, 1), input_precision=PRECISION)
     score = tl.max(tl.where(select, scores, float("-inf")), axis=2) * scale_log2  # [HEADS, BM], -inf: no key
     m_new = tl.maximum(m_max, score)
@@ -201,8 +229,8 @@ def _esa_forward_kernel(
     q_len, kv_len, span, first_pos, layer_weight, scale_log2,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEADS: tl.constexpr, W: tl.constexpr,
     LAYER_DEN: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, HAS_POSITIONS: tl.constexpr,
-    HAS_SLOTS: tl.constexpr, ONE_CHUNK: tl.constexpr, LAZY_RESCALE: tl.constexpr, PRECISION: tl.constexpr,
-    SPLIT: tl.constexpr,
+    HAS_SLOTS: tl.constexpr, WIDE: tl.constexpr, SAME_KV_STRIDE: tl.constexpr, ONE_CHUNK: tl.constexpr,
+    LAZY_RESCALE: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """O [B, H, S_q, D] and LSE [B, H, S_q] (log2 units) for BM position-ordered queries x HEADS heads."""
     batch, kv_head, head, head_ok = _program_heads(tl.program_id(1), NUM_HEADS, GROUP, HEADS)
@@ -222,21 +250,33 @@ def _esa_forward_kernel(
     m_max = tl.full([HEADS, BM], -1.0e30, dtype=tl.float32)
     start, window = _start_and_window(pos, layer_weight, W, LAYER_DEN)
     base = start
+    # ONE_CHUNK: the tile of a slot spans the keys of the block's first and last rows (scalars, no reductions)
+    first = first_pos + tl.program_id(0) * BM
+    start_first, window_first = _start_and_window(first, layer_weight, W, LAYER_DEN)
+    start_last, window_last = _start_and_window(first + BM - 1, layer_weight, W, LAYER_DEN)
+    base_first, base_last = start_first, start_last
     for j in range(W):
         next_base = _slot_base(start, window, j + 1, W)
         key = _head_key(base[None, :], next_base[None, :], head[:, None], NUM_HEADS)  # [HEADS, BM]
         ok = real[None, :] & head_ok[:, None] & (key <= pos[None, :])
-        pending = tl.where(ok, key, _BIG)
-        lo = tl.min(pending, axis=1)
         if ONE_CHUNK:  # consecutive positions, steps <= 1: one tile holds every key of the slot
-            acc, l_sum, m_max = _forward_chunk(q, acc, l_sum, m_max, key, ok, lo, K_B, V_B, SLOTS_B, stride_ks,
-                                               stride_vs, kv_len, span, scale_log2, BM, D, HAS_SLOTS,
-                                               LAZY_RESCALE, PRECISION, SPLIT)
+            next_first = _slot_base(start_first, window_first, j + 1, W)
+            next_last = _slot_base(start_last, window_last, j + 1, W)
+            lo = _head_key(base_first, next_first, head, NUM_HEADS)
+            hi = _head_key(base_last, next_last, head, NUM_HEADS)
+            acc, l_sum, m_max = _forward_chunk(q, acc, l_sum, m_max, key, ok, lo, hi, K_B, V_B, SLOTS_B,
+                                               stride_ks, stride_vs, kv_len, span, scale_log2, BM, D, HAS_SLOTS,
+                                               WIDE, SAME_KV_STRIDE, LAZY_RESCALE, PRECISION, SPLIT)
+            base_first, base_last = next_first, next_last
         else:  # any positions: visit the tiles that hold some row's key, in increasing order
+            pending = tl.where(ok, key, _BIG)
+            lo = tl.min(pending, axis=1)
+            hi = tl.max(tl.where(ok, key, -1), axis=1)
             while tl.min(lo, axis=0) < _BIG:
-                acc, l_sum, m_max = _forward_chunk(q, acc, l_sum, m_max, key, ok, lo, K_B, V_B, SLOTS_B,
+                acc, l_sum, m_max = _forward_chunk(q, acc, l_sum, m_max, key, ok, lo, hi, K_B, V_B, SLOTS_B,
                                                    stride_ks, stride_vs, kv_len, span, scale_log2, BM, D,
-                                                   HAS_SLOTS, LAZY_RESCALE, PRECISION, SPLIT)
+                                                   HAS_SLOTS, WIDE, SAME_KV_STRIDE, LAZY_RESCALE, PRECISION,
+                                                   SPLIT)
                 lo = tl.min(tl.where(pending >= lo[:, None] + BM, pending, _BIG), axis=1)
         base = next_base
 
@@ -258,7 +298,7 @@ def _esa_decode_kernel(
     q_len, kv_len, span, first_pos, layer_weight, scale_log2,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEADS: tl.constexpr, W: tl.constexpr,
     LAYER_DEN: tl.constexpr, D: tl.constexpr, SLOTS: tl.constexpr, HAS_POSITIONS: tl.constexpr,
-    HAS_SLOTS: tl.constexpr,
+    HAS_SLOTS: tl.constexpr, WIDE: tl.constexpr, SAME_KV_STRIDE: tl.constexpr,
 ):
     """One query row x HEADS heads: gather the w keys, SLOTS slots at a time, fp32 dot products."""
     batch, kv_head, head, head_ok = _program_heads(tl.program_id(1), NUM_HEADS, GROUP, HEADS)
@@ -282,13 +322,14 @@ def _esa_decode_kernel(
                         head[:, None], NUM_HEADS)  # [HEADS, SLOTS]
         ok = real & head_ok[:, None] & (j < W)[None, :] & (key <= pos)
         slot, present = _key_slots(key, ok, SLOTS_B, kv_len, span, HAS_SLOTS)
-        k = tl.load(K_B + slot[:, :, None] * stride_ks + dims[None, None, :], mask=present[:, :, None], other=0.0)
+        row_k, row_v = _row_offsets(slot, stride_ks, stride_vs, WIDE, SAME_KV_STRIDE)
+        k = tl.load(K_B + row_k[:, :, None] + dims[None, None, :], mask=present[:, :, None], other=0.0)
         score = tl.sum(q[:, None, :] * k.to(tl.float32), axis=2) * scale_log2
         score = tl.where(present, score, float("-inf"))
         m_new = tl.maximum(m_max, tl.max(score, axis=1))
         alpha = tl.math.exp2(m_max - m_new)
         p = tl.math.exp2(score - m_new[:, None])
-        v = tl.load(V_B + slot[:, :, None] * stride_vs + dims[None, None, :], mask=present[:, :, None], other=0.0)
+        v = tl.load(V_B + row_v[:, :, None] + dims[None, None, :], mask=present[:, :, None], other=0.0)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32), axis=1)
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
         m_max = m_new
@@ -307,12 +348,12 @@ def _esa_decode_kernel(
 
 
 @triton.jit
-def _dq_chunk(q, do, dq, lse, delta, key, ok, lo, K_B, V_B, SLOTS_B, stride_ks, stride_vs, kv_len, span,
-              scale_log2, BM: tl.constexpr, D: tl.constexpr, HAS_SLOTS: tl.constexpr, PRECISION: tl.constexpr,
-              SPLIT: tl.constexpr):
+def _dq_chunk(q, do, dq, lse, delta, key, ok, lo, hi, K_B, V_B, SLOTS_B, stride_ks, stride_vs, kv_len, span,
+              scale_log2, BM: tl.constexpr, D: tl.constexpr, HAS_SLOTS: tl.constexpr, WIDE: tl.constexpr,
+              SAME_KV_STRIDE: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr):
     """dQ step over one key tile per head: dS = P (dP - delta) at each row's one key, dQ += dS K."""
-    k, v, select = _key_range_tiles(K_B, V_B, SLOTS_B, key, ok, lo, stride_ks, stride_vs, kv_len, span, BM, D,
-                                    HAS_SLOTS)
+    k, v, select = _key_range_tiles(K_B, V_B, SLOTS_B, key, ok, lo, hi, stride_ks, stride_vs, kv_len, span, BM,
+                                    D, HAS_SLOTS, WIDE, SAME_KV_STRIDE)
     scores = tl.dot(q, tl.trans(k, 0, 2, 1), input_precision=PRECISION)
     score = tl.max(tl.where(select, scores, float("-inf")), axis=2) * scale_log2
     p = tl.math.exp2(score - lse)
@@ -331,7 +372,8 @@ def _esa_backward_dq_kernel(
     q_len, kv_len, span, first_pos, layer_weight, scale_log2, sm_scale,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEADS: tl.constexpr, W: tl.constexpr,
     LAYER_DEN: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, HAS_POSITIONS: tl.constexpr,
-    HAS_SLOTS: tl.constexpr, ONE_CHUNK: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,
+    HAS_SLOTS: tl.constexpr, WIDE: tl.constexpr, SAME_KV_STRIDE: tl.constexpr, ONE_CHUNK: tl.constexpr,
+    PRECISION: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """dQ [B, H, S_q, D] and DELTA [B, H, S_q] for BM position-ordered queries x HEADS heads."""
     batch, kv_head, head, head_ok = _program_heads(tl.program_id(1), NUM_HEADS, GROUP, HEADS)
@@ -359,19 +401,31 @@ def _esa_backward_dq_kernel(
     dq = tl.zeros([HEADS, BM, D], dtype=tl.float32)
     start, window = _start_and_window(pos, layer_weight, W, LAYER_DEN)
     base = start
+    first = first_pos + tl.program_id(0) * BM  # ONE_CHUNK: see the forward kernel
+    start_first, window_first = _start_and_window(first, layer_weight, W, LAYER_DEN)
+    start_last, window_last = _start_and_window(first + BM - 1, layer_weight, W, LAYER_DEN)
+    base_first, base_last = start_first, start_last
     for j in range(W):
         next_base = _slot_base(start, window, j + 1, W)
         key = _head_key(base[None, :], next_base[None, :], head[:, None], NUM_HEADS)
         ok = rows_ok & (key <= pos[None, :])
-        pending = tl.where(ok, key, _BIG)
-        lo = tl.min(pending, axis=1)
         if ONE_CHUNK:
-            dq = _dq_chunk(q, do, dq, lse, delta, key, ok, lo, K_B, V_B, SLOTS_B, stride_ks, stride_vs, kv_len,
-                           span, scale_log2, BM, D, HAS_SLOTS, PRECISION, SPLIT)
+            next_first = _slot_base(start_first, window_first, j + 1, W)
+            next_last = _slot_base(start_last, window_last, j + 1, W)
+            lo = _head_key(base_first, next_first, head, NUM_HEADS)
+            hi = _head_key(base_last, next_last, head, NUM_HEADS)
+            dq = _dq_chunk(q, do, dq, lse, delta, key, ok, lo, hi, K_B, V_B, SLOTS_B, stride_ks, stride_vs,
+                           kv_len, span, scale_log2, BM, D, HAS_SLOTS, WIDE, SAME_KV_STRIDE, PRECISION,
+                           SPLIT)
+            base_first, base_last = next_first, next_last
         else:
+            pending = tl.where(ok, key, _BIG)
+            lo = tl.min(pending, axis=1)
+            hi = tl.max(tl.where(ok, key, -1), axis=1)
             while tl.min(lo, axis=0) < _BIG:
-                dq = _dq_chunk(q, do, dq, lse, delta, key, ok, lo, K_B, V_B, SLOTS_B, stride_ks, stride_vs,
-                               kv_len, span, scale_log2, BM, D, HAS_SLOTS, PRECISION, SPLIT)
+                dq = _dq_chunk(q, do, dq, lse, delta, key, ok, lo, hi, K_B, V_B, SLOTS_B, stride_ks, stride_vs,
+                               kv_len, span, scale_log2, BM, D, HAS_SLOTS, WIDE, SAME_KV_STRIDE, PRECISION,
+                           SPLIT)
                 lo = tl.min(tl.where(pending >= lo[:, None] + BM, pending, _BIG), axis=1)
         base = next_base
 
@@ -423,7 +477,7 @@ def _esa_backward_dkdv_kernel(
     q_len, kv_len, span, first_pos, layer_weight, scale_log2, sm_scale, search_steps,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, W: tl.constexpr, LAYER_DEN: tl.constexpr, D: tl.constexpr,
     W_POW2: tl.constexpr, GROUP_POW2: tl.constexpr, BN: tl.constexpr, BQ: tl.constexpr, HAS_POSITIONS: tl.constexpr,
-    HAS_SLOTS: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,
+    HAS_SLOTS: tl.constexpr, WIDE: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """dK, dV of BN key positions of one KV head, summed over the group's heads and slots, in fp32."""
     kv_heads = NUM_HEADS // GROUP
@@ -435,6 +489,7 @@ def _esa_backward_dkdv_kernel(
     dims = tl.arange(0, D)
     kpos = first_key + cols
     slot, present = _key_slots(kpos, kpos < span, KEY_SLOTS + batch64 * stride_slots_b, kv_len, span, HAS_SLOTS)
+    slot = slot.to(tl.int64)
     kv_offset = batch64 * stride_kb + kv_head.to(tl.int64) * stride_kh
     k = tl.load(K + kv_offset + slot[:, None] * stride_ks + dims[None, :], mask=present[:, None], other=0.0)
     v = tl.load(V + batch64 * stride_vb + kv_head.to(tl.int64) * stride_vh + slot[:, None] * stride_vs
@@ -451,6 +506,9 @@ def _esa_backward_dkdv_kernel(
     for g in range(GROUP):
         head = kv_head * GROUP + g
         head64 = head.to(tl.int64)
+        Q_H = Q + batch64 * stride_qb + head64 * stride_qh
+        DO_H = DO + batch64 * stride_dob + head64 * stride_doh
+        STAT_H = (batch64 * NUM_HEADS + head64) * q_len
         for j in range(W):
             r0 = tl.sum(tl.sum(tl.where((search_row == g) & (slots == j), bounds, 0), axis=1), axis=0)
             r_end = tl.sum(tl.sum(tl.where((search_row == GROUP_POW2 + g) & (slots == j), bounds, 0), axis=1),
@@ -464,14 +522,12 @@ def _esa_backward_dkdv_kernel(
                                 NUM_HEADS)
                 ok = real & (r < r_end) & (key <= pos)
                 select = ((key[None, :] - first_key) == cols[:, None]) & ok[None, :] & present[:, None]
-                row64 = row.to(tl.int64)
-                q = tl.load(Q + batch64 * stride_qb + head64 * stride_qh + row64[:, None] * stride_qs + dims[None, :],
-                            mask=ok[:, None], other=0.0)
-                do = tl.load(DO + batch64 * stride_dob + head64 * stride_doh + row64[:, None] * stride_dos
-                             + dims[None, :], mask=ok[:, None], other=0.0)
-                stat = (batch64 * NUM_HEADS + head64) * q_len + row64
-                lse = tl.load(LSE + stat, mask=ok, other=float("inf"))
-                delta = tl.load(DELTA + stat, mask=ok, other=0.0)
+                if WIDE:
+                    row = row.to(tl.int64)
+                q = tl.load(Q_H + row[:, None] * stride_qs + dims[None, :], mask=ok[:, None], other=0.0)
+                do = tl.load(DO_H + row[:, None] * stride_dos + dims[None, :], mask=ok[:, None], other=0.0)
+                lse = tl.load(LSE + STAT_H + row, mask=ok, other=float("inf"))
+                delta = tl.load(DELTA + STAT_H + row, mask=ok, other=0.0)
                 scores = tl.dot(k, tl.trans(q), input_precision=PRECISION)  # [BN, BQ]
                 p = tl.where(select, tl.math.exp2(scores * scale_log2 - lse[None, :]), 0.0)
                 dv = _dot_fp32_lhs(p, do, dv, PRECISION, SPLIT)
@@ -526,11 +582,22 @@ class _Launch:
 
     def heads_per_program(self) -> int:
         chosen = KERNEL_CONFIG["heads_per_program"] or self.group
-        return triton.next_power_of_2(min(chosen, self.group))
+        return triton.next_power_of_2(min(chosen, self.group, 8))  # one warp per head, at most 8 warps
 
 
 def _strides(t: Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _wide_rows(*tensors: Tensor) -> bool:
+    """Whether a row's element offset inside one (batch, head) of these [B, H, S, d] tensors may overflow int32."""
+    return any((t.shape[2] - 1) * t.stride(2) + t.shape[3] >= 2**31 for t in tensors)
+
+
+def _row_offset_kinds(k: Tensor, v: Tensor) -> dict:
+    """WIDE: a key row's element offset inside one (batch, KV head) may not fit int32; SAME_KV_STRIDE: K and V rows
+    share offsets."""
+    return dict(WIDE=_wide_rows(k, v), SAME_KV_STRIDE=k.stride(2) == v.stride(2))
 
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, launch: _Launch) -> tuple[Tensor, Tensor]:
@@ -541,7 +608,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, launch: _Launch) -> tuple[Tensor, 
     programs = batch * (heads // launch.group) * triton.cdiv(launch.group, per_program)
     common = dict(NUM_HEADS=heads, GROUP=launch.group, HEADS=per_program, W=launch.attn_length,
                   LAYER_DEN=launch.layer_den, D=dim, HAS_POSITIONS=launch.sorted_pos is not None,
-                  HAS_SLOTS=launch.key_slots is not None)
+                  HAS_SLOTS=launch.key_slots is not None, **_row_offset_kinds(k, v))
     sorted_pos, order, slots, stride_pos, stride_slots = launch.position_args(q.device)
     args = (q, k, v, out, lse, sorted_pos, order, slots, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
             stride_pos, stride_slots, *launch.rule_args())
@@ -552,7 +619,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, launch: _Launch) -> tuple[Tensor, 
         _esa_forward_kernel[(triton.cdiv(q_len, BLOCK_QUERIES), programs)](
             *args, BM=BLOCK_QUERIES, ONE_CHUNK=launch.one_chunk, LAZY_RESCALE=KERNEL_CONFIG["lazy_rescale"],
             PRECISION=launch.precision, SPLIT=launch.split and KERNEL_CONFIG["forward_split"],
-            num_warps=KERNEL_CONFIG["forward_warps"],
+            num_warps=KERNEL_CONFIG["forward_warps"] or per_program,
             num_stages=KERNEL_CONFIG["forward_stages"], **common)
     return out, lse
 
@@ -569,11 +636,12 @@ def _backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
     common = dict(NUM_HEADS=heads, GROUP=launch.group, W=launch.attn_length, LAYER_DEN=launch.layer_den, D=dim,
                   HAS_POSITIONS=launch.sorted_pos is not None, HAS_SLOTS=launch.key_slots is not None,
                   PRECISION=launch.precision, SPLIT=launch.split)
+    offsets = _row_offset_kinds(k, v)
     _esa_backward_dq_kernel[(triton.cdiv(q_len, BLOCK_QUERIES), programs)](
         q, k, v, out, do, dq, lse, delta, sorted_pos, order, slots, *_strides(q), *_strides(k), *_strides(v),
         *_strides(out), *_strides(do), *_strides(dq), stride_pos, stride_slots, *launch.rule_args(), launch.scale,
-        HEADS=per_program, BM=BLOCK_QUERIES, ONE_CHUNK=launch.one_chunk, num_warps=KERNEL_CONFIG["dq_warps"],
-        **common)
+        HEADS=per_program, BM=BLOCK_QUERIES, ONE_CHUNK=launch.one_chunk,
+        num_warps=KERNEL_CONFIG["dq_warps"] or per_program, **offsets, **common)
     if not need_dkdv:
         return dq, None, None
     # without key_slots every slot is some key position's and gets written; with them, unused slots stay 0
@@ -583,7 +651,7 @@ def _backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
     _esa_backward_dkdv_kernel[(triton.cdiv(launch.span, BLOCK_KEYS), batch * kv_heads)](
         q, k, v, do, dk, dv, lse, delta, sorted_pos, order, slots, *_strides(q), *_strides(k), *_strides(v),
         *_strides(do), *_strides(dk), *_strides(dv), stride_pos, stride_slots, *launch.rule_args(), launch.scale,
-        max(q_len, 1).bit_length(), W_POW2=triton.next_power_of_2(launch.attn_length),
+        max(q_len, 1).bit_length(), WIDE=_wide_rows(q, do), W_POW2=triton.next_power_of_2(launch.attn_length),
         GROUP_POW2=triton.next_power_of_2(launch.group), BN=BLOCK_KEYS, BQ=KERNEL_CONFIG["dkdv_queries"],
         num_warps=KERNEL_CONFIG["dkdv_warps"], **common)
     return dq, dk, dv
