@@ -145,7 +145,7 @@ def test_kernel_cases_under_triton_interpreter():
 
 CASES = {  # batch, heads, kv_heads, q_len, kv_len, dim, attn_length, layers, layer
     "prefill mha": (1, 2, 2, 40, 40, 16, 8, 4, 1),
-    "prefill gqa2 batch2 d32": (2, 4, 2, 33, 33, 32, 4, 4, 2),
+    "prefill gqa2 batch2 d32": (2, 4, 2, 24, 24, 32, 4, 4, 2),
     "prefill gqa4 last layer w6": (1, 4, 1, 48, 48, 16, 6, 3, 2),
     "chunked prefill": (1, 4, 2, 20, 50, 16, 8, 4, 3),
     "decode": (2, 4, 2, 1, 45, 16, 8, 4, 2),
@@ -171,10 +171,10 @@ def test_kernel_forward_and_backward_match_dense_reference(case):
 @kernel_test
 def test_kernel_padding_rows_in_any_order_give_zero_rows_and_no_gradient():
     pattern = ESA(2, 4, 6, 4)
-    q, k, v = qkv(2, 4, 2, 24, 40, 16, seed=3)
+    q, k, v = qkv(2, 4, 2, 20, 40, 16, seed=3)
     grad_out = torch.randn_like(q)
     gen = torch.Generator().manual_seed(5)
-    positions = torch.stack([torch.randperm(40, generator=gen)[:24] for _ in range(2)]).to(torch.int32)
+    positions = torch.stack([torch.randperm(40, generator=gen)[:20] for _ in range(2)]).to(torch.int32)
     positions[0, ::5] = -1
     positions[1, 3:9] = -1
     positions[1, 10] = 40  # beyond the keys: padding too
@@ -197,8 +197,8 @@ def test_kernel_padding_rows_in_any_order_give_zero_rows_and_no_gradient():
 
 @kernel_test
 def test_kernel_left_padded_batch_matches_each_sequence_alone():
-    pattern = ESA(3, 4, 6, 4)
-    lengths, span = (34, 13), 34
+    pattern = ESA(3, 4, 4, 4)
+    lengths, span = (26, 11), 26
     q, k, v = qkv(2, 4, 2, span, span, 16, seed=9)
     grad_out = torch.randn_like(q)
     positions = torch.full((2, span), -1, dtype=torch.int32)

@@ -51,7 +51,7 @@ KERNEL_CONFIG = {
     "lazy_rescale": True,  # rescale the running output only when some row's max grew by more than 2**8
     "forward_split": False,  # P enters the P @ V dot as bf16 (as in FlashAttention); True: as two bf16 parts
     "dq_warps": 0,
-    "dkdv_warps": 2,
+    "dkdv_warps": 2,  # 2: no spills in the loop, fewest instructions per query block (SASS)
     "dkdv_queries": 16,
     "decode_warps": 4,
 }
@@ -496,23 +496,24 @@ def _esa_backward_dkdv_kernel(
                 + dims[None, :], mask=present[:, None], other=0.0)
     dk = tl.zeros([BN, D], dtype=tl.float32)
     dv = tl.zeros([BN, D], dtype=tl.float32)
-    # one binary search for every (bound, head, slot): rows [g] start at first_key, rows [GROUP_POW2 + g] end
-    search_row = tl.arange(0, 2 * GROUP_POW2)[:, None]
-    slots = tl.arange(0, W_POW2)[None, :]
-    search_head = kv_head * GROUP + tl.minimum(search_row % GROUP_POW2, GROUP - 1)
-    bounds = _first_row_with_key_at_least(first_key + BN * (search_row // GROUP_POW2), slots, search_head, batch,
-                                          q_len, span, first_pos, layer_weight, search_steps, SORTED_POS,
-                                          stride_pos_b, NUM_HEADS, W, LAYER_DEN, HAS_POSITIONS)
+    slots = tl.arange(0, W_POW2)
     for g in range(GROUP):
         head = kv_head * GROUP + g
         head64 = head.to(tl.int64)
         Q_H = Q + batch64 * stride_qb + head64 * stride_qh
         DO_H = DO + batch64 * stride_dob + head64 * stride_doh
         STAT_H = (batch64 * NUM_HEADS + head64) * q_len
+        # per slot, the rows whose key lies in this block: [first_rows[j], end_rows[j]) (binary searches)
+        first_rows = _first_row_with_key_at_least(first_key, slots, head, batch, q_len, span, first_pos,
+                                                  layer_weight, search_steps, SORTED_POS, stride_pos_b, NUM_HEADS,
+                                                  W, LAYER_DEN, HAS_POSITIONS)
+        end_rows = _first_row_with_key_at_least(first_key + BN, slots, head, batch, q_len, span, first_pos,
+                                                layer_weight, search_steps, SORTED_POS, stride_pos_b, NUM_HEADS, W,
+                                                LAYER_DEN, HAS_POSITIONS)
         for j in range(W):
-            r0 = tl.sum(tl.sum(tl.where((search_row == g) & (slots == j), bounds, 0), axis=1), axis=0)
-            r_end = tl.sum(tl.sum(tl.where((search_row == GROUP_POW2 + g) & (slots == j), bounds, 0), axis=1),
-                           axis=0)
+            at_j = tl.full([1], j, tl.int32)
+            r0 = tl.max(tl.gather(first_rows, at_j, 0), axis=0)
+            r_end = tl.max(tl.gather(end_rows, at_j, 0), axis=0)
             while r0 < r_end:  # these rows' slot-j keys all lie in this block
                 r = r0 + tl.arange(0, BQ)
                 row, pos, real = _query_rows(r, batch, q_len, span, first_pos, SORTED_POS, ORDER, stride_pos_b,
