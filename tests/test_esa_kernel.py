@@ -144,10 +144,10 @@ def test_kernel_cases_under_triton_interpreter():
 # Kernels at tiny sizes (interpreter on CPU, compiled on CUDA), fp32, against the float64 dense reference.
 
 CASES = {  # batch, heads, kv_heads, q_len, kv_len, dim, attn_length, layers, layer
-    "prefill mha": (1, 2, 2, 40, 40, 16, 8, 4, 1),
+    "prefill mha": (1, 2, 2, 33, 33, 16, 8, 4, 1),
     "prefill gqa2 batch2 d32": (2, 4, 2, 24, 24, 32, 4, 4, 2),
     "prefill gqa4 last layer w6": (1, 4, 1, 48, 48, 16, 6, 3, 2),
-    "chunked prefill": (1, 4, 2, 20, 50, 16, 8, 4, 3),
+    "chunked prefill": (1, 4, 2, 18, 40, 16, 8, 4, 3),
     "decode": (2, 4, 2, 1, 45, 16, 8, 4, 2),
     "small chunk": (1, 4, 4, 5, 45, 16, 8, 4, 1),
     "odd heads (general tile loop)": (1, 3, 1, 33, 33, 16, 8, 4, 1),
@@ -217,13 +217,13 @@ def test_kernel_left_padded_batch_matches_each_sequence_alone():
 
 
 @kernel_test
-@settings(max_examples=6)
+@settings(max_examples=5)
 @given(heads_per_group=st.sampled_from([1, 2, 3, 4]), kv_heads=st.integers(1, 2), data=st.data())
 def test_kernel_forward_matches_reference_on_random_geometries(heads_per_group, kv_heads, data):
     heads = heads_per_group * kv_heads
     layers = data.draw(st.integers(1, 6))
     pattern = ESA(data.draw(st.integers(0, layers - 1)), layers, data.draw(st.integers(1, 12)), heads)
-    kv_len = data.draw(st.integers(1, 70))
+    kv_len = data.draw(st.integers(1, 48))
     q_len = data.draw(st.integers(1, kv_len))
     q, k, v = qkv(1, heads, kv_heads, q_len, kv_len, 16, seed=kv_len)
     expected = esa_attention_reference(q.double(), k.double(), v.double(), pattern)

@@ -49,7 +49,7 @@ KERNEL_CONFIG = {
     "forward_warps": 0,  # 0: one warp per head of the program
     "forward_stages": 2,
     "lazy_rescale": True,  # rescale the running output only when some row's max grew by more than 2**8
-    "forward_split": False,  # P enters the P @ V dot as bf16 (as in FlashAttention); True: as two bf16 parts
+    "forward_split": True,  # P enters P @ V as two 16-bit parts (False: one, as FlashAttention; dQ error 2.3x)
     "dq_warps": 0,
     "dkdv_warps": 2,  # 2: no spills in the loop, fewest instructions per query block (SASS)
     "dkdv_queries": 16,
@@ -222,6 +222,65 @@ def _forward_chunk(q, acc, l_sum, m_max, key, ok, lo, hi, K_B, V_B, SLOTS_B, str
 
 
 @triton.jit
+def _forward_slots(q, pos, real, head, head_ok, first_real, last_real, K_B, V_B, SLOTS_B, stride_ks, stride_vs,
+                   kv_len, span, layer_weight, scale_log2, NUM_HEADS: tl.constexpr, HEADS: tl.constexpr,
+                   W: tl.constexpr, LAYER_DEN: tl.constexpr, BM: tl.constexpr, D: tl.constexpr,
+                   HAS_SLOTS: tl.constexpr, WIDE: tl.constexpr, SAME_KV_STRIDE: tl.constexpr, ONE_TILE: tl.constexpr,
+                   LAZY_RESCALE: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr):
+    """Online softmax over the w slots: (acc [HEADS, BM, D], row sums, row maxima).
+
+    ONE_TILE: the real rows hold consecutive positions first_real..last_real and keys step by <= 1, so one tile per
+    slot, from the key of first_real to that of last_real (scalars, no reductions), holds every row's key.
+    Otherwise the tiles that hold some row's key are visited in increasing order.
+    """
+    acc = tl.zeros([HEADS, BM, D], dtype=tl.float32)
+    l_sum = tl.zeros([HEADS, BM], dtype=tl.float32)
+    m_max = tl.full([HEADS, BM], -1.0e30, dtype=tl.float32)
+    start, window = _start_and_window(pos, layer_weight, W, LAYER_DEN)
+    start_first, window_first = _start_and_window(first_real, layer_weight, W, LAYER_DEN)
+    start_last, window_last = _start_and_window(last_real, layer_weight, W, LAYER_DEN)
+    base, base_first, base_last = start, start_first, start_last
+    for j in range(W):
+        next_base = _slot_base(start, window, j + 1, W)
+        key = _head_key(base[None, :], next_base[None, :], head[:, None], NUM_HEADS)  # [HEADS, BM]
+        ok = real[None, :] & head_ok[:, None] & (key <= pos[None, :])
+        if ONE_TILE:
+            next_first = _slot_base(start_first, window_first, j + 1, W)
+            next_last = _slot_base(start_last, window_last, j + 1, W)
+            lo = _head_key(base_first, next_first, head, NUM_HEADS)
+            hi = _head_key(base_last, next_last, head, NUM_HEADS)
+            acc, l_sum, m_max = _forward_chunk(q, acc, l_sum, m_max, key, ok, lo, hi, K_B, V_B, SLOTS_B,
+                                               stride_ks, stride_vs, kv_len, span, scale_log2, BM, D, HAS_SLOTS,
+                                               WIDE, SAME_KV_STRIDE, LAZY_RESCALE, PRECISION, SPLIT)
+            base_first, base_last = next_first, next_last
+        else:
+            pending = tl.where(ok, key, _BIG)
+            lo = tl.min(pending, axis=1)
+            hi = tl.max(tl.where(ok, key, -1), axis=1)
+            while tl.min(lo, axis=0) < _BIG:
+                acc, l_sum, m_max = _forward_chunk(q, acc, l_sum, m_max, key, ok, lo, hi, K_B, V_B, SLOTS_B,
+                                                   stride_ks, stride_vs, kv_len, span, scale_log2, BM, D,
+                                                   HAS_SLOTS, WIDE, SAME_KV_STRIDE, LAZY_RESCALE, PRECISION,
+                                                   SPLIT)
+                lo = tl.min(tl.where(pending >= lo[:, None] + BM, pending, _BIG), axis=1)
+        base = next_base
+    return acc, l_sum, m_max
+
+
+@triton.jit
+def _position_span(pos, real, first_row_pos, BM: tl.constexpr, HAS_POSITIONS: tl.constexpr):
+    """(first, last) position of a block's real rows and whether they are consecutive (then one tile per slot
+    suffices when keys step by <= 1). Without q_positions the rows are consecutive by construction."""
+    if HAS_POSITIONS:
+        first = tl.min(tl.where(real, pos, _BIG), axis=0)
+        last = tl.max(tl.where(real, pos, -1), axis=0)
+        count = tl.sum(real.to(tl.int32), axis=0)
+        return tl.minimum(first, last), last, (count > 0) & (last - first == count - 1)
+    else:
+        return first_row_pos, first_row_pos + BM - 1, True
+
+
+@triton.jit
 def _esa_forward_kernel(
     Q, K, V, O, LSE, SORTED_POS, ORDER, KEY_SLOTS,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
@@ -229,7 +288,7 @@ def _esa_forward_kernel(
     q_len, kv_len, span, first_pos, layer_weight, scale_log2,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEADS: tl.constexpr, W: tl.constexpr,
     LAYER_DEN: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, HAS_POSITIONS: tl.constexpr,
-    HAS_SLOTS: tl.constexpr, WIDE: tl.constexpr, SAME_KV_STRIDE: tl.constexpr, ONE_CHUNK: tl.constexpr,
+    HAS_SLOTS: tl.constexpr, WIDE: tl.constexpr, SAME_KV_STRIDE: tl.constexpr, STEP_ONE: tl.constexpr,
     LAZY_RESCALE: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """O [B, H, S_q, D] and LSE [B, H, S_q] (log2 units) for BM position-ordered queries x HEADS heads."""
@@ -245,40 +304,21 @@ def _esa_forward_kernel(
     V_B = V + batch64 * stride_vb + kv_head.to(tl.int64) * stride_vh
     SLOTS_B = KEY_SLOTS + batch64 * stride_slots_b
 
-    acc = tl.zeros([HEADS, BM, D], dtype=tl.float32)
-    l_sum = tl.zeros([HEADS, BM], dtype=tl.float32)
-    m_max = tl.full([HEADS, BM], -1.0e30, dtype=tl.float32)
-    start, window = _start_and_window(pos, layer_weight, W, LAYER_DEN)
-    base = start
-    # ONE_CHUNK: the tile of a slot spans the keys of the block's first and last rows (scalars, no reductions)
-    first = first_pos + tl.program_id(0) * BM
-    start_first, window_first = _start_and_window(first, layer_weight, W, LAYER_DEN)
-    start_last, window_last = _start_and_window(first + BM - 1, layer_weight, W, LAYER_DEN)
-    base_first, base_last = start_first, start_last
-    for j in range(W):
-        next_base = _slot_base(start, window, j + 1, W)
-        key = _head_key(base[None, :], next_base[None, :], head[:, None], NUM_HEADS)  # [HEADS, BM]
-        ok = real[None, :] & head_ok[:, None] & (key <= pos[None, :])
-        if ONE_CHUNK:  # consecutive positions, steps <= 1: one tile holds every key of the slot
-            next_first = _slot_base(start_first, window_first, j + 1, W)
-            next_last = _slot_base(start_last, window_last, j + 1, W)
-            lo = _head_key(base_first, next_first, head, NUM_HEADS)
-            hi = _head_key(base_last, next_last, head, NUM_HEADS)
-            acc, l_sum, m_max = _forward_chunk(q, acc, l_sum, m_max, key, ok, lo, hi, K_B, V_B, SLOTS_B,
-                                               stride_ks, stride_vs, kv_len, span, scale_log2, BM, D, HAS_SLOTS,
-                                               WIDE, SAME_KV_STRIDE, LAZY_RESCALE, PRECISION, SPLIT)
-            base_first, base_last = next_first, next_last
-        else:  # any positions: visit the tiles that hold some row's key, in increasing order
-            pending = tl.where(ok, key, _BIG)
-            lo = tl.min(pending, axis=1)
-            hi = tl.max(tl.where(ok, key, -1), axis=1)
-            while tl.min(lo, axis=0) < _BIG:
-                acc, l_sum, m_max = _forward_chunk(q, acc, l_sum, m_max, key, ok, lo, hi, K_B, V_B, SLOTS_B,
-                                                   stride_ks, stride_vs, kv_len, span, scale_log2, BM, D,
-                                                   HAS_SLOTS, WIDE, SAME_KV_STRIDE, LAZY_RESCALE, PRECISION,
-                                                   SPLIT)
-                lo = tl.min(tl.where(pending >= lo[:, None] + BM, pending, _BIG), axis=1)
-        base = next_base
+    first_real, last_real, consecutive = _position_span(pos, real, first_pos + tl.program_id(0) * BM, BM,
+                                                        HAS_POSITIONS)
+    one_tile = False
+    if STEP_ONE:
+        one_tile = consecutive  # a run-time choice per block with q_positions (padding, gaps)
+    if one_tile:
+        acc, l_sum, m_max = _forward_slots(q, pos, real, head, head_ok, first_real, last_real, K_B, V_B, SLOTS_B,
+                                           stride_ks, stride_vs, kv_len, span, layer_weight, scale_log2, NUM_HEADS,
+                                           HEADS, W, LAYER_DEN, BM, D, HAS_SLOTS, WIDE, SAME_KV_STRIDE, True,
+                                           LAZY_RESCALE, PRECISION, SPLIT)
+    else:
+        acc, l_sum, m_max = _forward_slots(q, pos, real, head, head_ok, first_real, last_real, K_B, V_B, SLOTS_B,
+                                           stride_ks, stride_vs, kv_len, span, layer_weight, scale_log2, NUM_HEADS,
+                                           HEADS, W, LAYER_DEN, BM, D, HAS_SLOTS, WIDE, SAME_KV_STRIDE, False,
+                                           LAZY_RESCALE, PRECISION, SPLIT)
 
     has_keys = l_sum > 0
     l_safe = tl.where(has_keys, l_sum, 1.0)
@@ -364,6 +404,42 @@ def _dq_chunk(q, do, dq, lse, delta, key, ok, lo, hi, K_B, V_B, SLOTS_B, stride_
 
 
 @triton.jit
+def _dq_slots(q, do, lse, delta, pos, rows_ok, head, first_real, last_real, K_B, V_B, SLOTS_B, stride_ks,
+              stride_vs, kv_len, span, layer_weight, scale_log2, NUM_HEADS: tl.constexpr, HEADS: tl.constexpr,
+              W: tl.constexpr, LAYER_DEN: tl.constexpr, BM: tl.constexpr, D: tl.constexpr,
+              HAS_SLOTS: tl.constexpr, WIDE: tl.constexpr, SAME_KV_STRIDE: tl.constexpr, ONE_TILE: tl.constexpr,
+              PRECISION: tl.constexpr, SPLIT: tl.constexpr):
+    """dQ [HEADS, BM, D] (unscaled) summed over the w slots; tiles as in :func:`_forward_slots`."""
+    dq = tl.zeros([HEADS, BM, D], dtype=tl.float32)
+    start, window = _start_and_window(pos, layer_weight, W, LAYER_DEN)
+    start_first, window_first = _start_and_window(first_real, layer_weight, W, LAYER_DEN)
+    start_last, window_last = _start_and_window(last_real, layer_weight, W, LAYER_DEN)
+    base, base_first, base_last = start, start_first, start_last
+    for j in range(W):
+        next_base = _slot_base(start, window, j + 1, W)
+        key = _head_key(base[None, :], next_base[None, :], head[:, None], NUM_HEADS)
+        ok = rows_ok & (key <= pos[None, :])
+        if ONE_TILE:
+            next_first = _slot_base(start_first, window_first, j + 1, W)
+            next_last = _slot_base(start_last, window_last, j + 1, W)
+            lo = _head_key(base_first, next_first, head, NUM_HEADS)
+            hi = _head_key(base_last, next_last, head, NUM_HEADS)
+            dq = _dq_chunk(q, do, dq, lse, delta, key, ok, lo, hi, K_B, V_B, SLOTS_B, stride_ks, stride_vs,
+                           kv_len, span, scale_log2, BM, D, HAS_SLOTS, WIDE, SAME_KV_STRIDE, PRECISION, SPLIT)
+            base_first, base_last = next_first, next_last
+        else:
+            pending = tl.where(ok, key, _BIG)
+            lo = tl.min(pending, axis=1)
+            hi = tl.max(tl.where(ok, key, -1), axis=1)
+            while tl.min(lo, axis=0) < _BIG:
+                dq = _dq_chunk(q, do, dq, lse, delta, key, ok, lo, hi, K_B, V_B, SLOTS_B, stride_ks, stride_vs,
+                               kv_len, span, scale_log2, BM, D, HAS_SLOTS, WIDE, SAME_KV_STRIDE, PRECISION, SPLIT)
+                lo = tl.min(tl.where(pending >= lo[:, None] + BM, pending, _BIG), axis=1)
+        base = next_base
+    return dq
+
+
+@triton.jit
 def _esa_backward_dq_kernel(
     Q, K, V, O, DO, DQ, LSE, DELTA, SORTED_POS, ORDER, KEY_SLOTS,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
@@ -372,7 +448,7 @@ def _esa_backward_dq_kernel(
     q_len, kv_len, span, first_pos, layer_weight, scale_log2, sm_scale,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEADS: tl.constexpr, W: tl.constexpr,
     LAYER_DEN: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, HAS_POSITIONS: tl.constexpr,
-    HAS_SLOTS: tl.constexpr, WIDE: tl.constexpr, SAME_KV_STRIDE: tl.constexpr, ONE_CHUNK: tl.constexpr,
+    HAS_SLOTS: tl.constexpr, WIDE: tl.constexpr, SAME_KV_STRIDE: tl.constexpr, STEP_ONE: tl.constexpr,
     PRECISION: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """dQ [B, H, S_q, D] and DELTA [B, H, S_q] for BM position-ordered queries x HEADS heads."""
@@ -398,36 +474,19 @@ def _esa_backward_dq_kernel(
     V_B = V + batch64 * stride_vb + kv_head.to(tl.int64) * stride_vh
     SLOTS_B = KEY_SLOTS + batch64 * stride_slots_b
 
-    dq = tl.zeros([HEADS, BM, D], dtype=tl.float32)
-    start, window = _start_and_window(pos, layer_weight, W, LAYER_DEN)
-    base = start
-    first = first_pos + tl.program_id(0) * BM  # ONE_CHUNK: see the forward kernel
-    start_first, window_first = _start_and_window(first, layer_weight, W, LAYER_DEN)
-    start_last, window_last = _start_and_window(first + BM - 1, layer_weight, W, LAYER_DEN)
-    base_first, base_last = start_first, start_last
-    for j in range(W):
-        next_base = _slot_base(start, window, j + 1, W)
-        key = _head_key(base[None, :], next_base[None, :], head[:, None], NUM_HEADS)
-        ok = rows_ok & (key <= pos[None, :])
-        if ONE_CHUNK:
-            next_first = _slot_base(start_first, window_first, j + 1, W)
-            next_last = _slot_base(start_last, window_last, j + 1, W)
-            lo = _head_key(base_first, next_first, head, NUM_HEADS)
-            hi = _head_key(base_last, next_last, head, NUM_HEADS)
-            dq = _dq_chunk(q, do, dq, lse, delta, key, ok, lo, hi, K_B, V_B, SLOTS_B, stride_ks, stride_vs,
-                           kv_len, span, scale_log2, BM, D, HAS_SLOTS, WIDE, SAME_KV_STRIDE, PRECISION,
-                           SPLIT)
-            base_first, base_last = next_first, next_last
-        else:
-            pending = tl.where(ok, key, _BIG)
-            lo = tl.min(pending, axis=1)
-            hi = tl.max(tl.where(ok, key, -1), axis=1)
-            while tl.min(lo, axis=0) < _BIG:
-                dq = _dq_chunk(q, do, dq, lse, delta, key, ok, lo, hi, K_B, V_B, SLOTS_B, stride_ks, stride_vs,
-                               kv_len, span, scale_log2, BM, D, HAS_SLOTS, WIDE, SAME_KV_STRIDE, PRECISION,
-                           SPLIT)
-                lo = tl.min(tl.where(pending >= lo[:, None] + BM, pending, _BIG), axis=1)
-        base = next_base
+    first_real, last_real, consecutive = _position_span(pos, real, first_pos + tl.program_id(0) * BM, BM,
+                                                        HAS_POSITIONS)
+    one_tile = False
+    if STEP_ONE:
+        one_tile = consecutive
+    if one_tile:
+        dq = _dq_slots(q, do, lse, delta, pos, rows_ok, head, first_real, last_real, K_B, V_B, SLOTS_B, stride_ks,
+                       stride_vs, kv_len, span, layer_weight, scale_log2, NUM_HEADS, HEADS, W, LAYER_DEN, BM, D,
+                       HAS_SLOTS, WIDE, SAME_KV_STRIDE, True, PRECISION, SPLIT)
+    else:
+        dq = _dq_slots(q, do, lse, delta, pos, rows_ok, head, first_real, last_real, K_B, V_B, SLOTS_B, stride_ks,
+                       stride_vs, kv_len, span, layer_weight, scale_log2, NUM_HEADS, HEADS, W, LAYER_DEN, BM, D,
+                       HAS_SLOTS, WIDE, SAME_KV_STRIDE, False, PRECISION, SPLIT)
 
     tl.store(DQ + batch64 * stride_dqb + at_head * stride_dqh + at_row * stride_dqs + at_dim,
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=store[:, :, None])
@@ -564,7 +623,7 @@ class _Launch:
     sorted_pos: Tensor | None  # int32 [B or 1, S_q], stable sort of q_positions
     order: Tensor | None  # int32 [B or 1, S_q], the rows in that order
     key_slots: Tensor | None  # int32 [B or 1, span]
-    one_chunk: bool
+    step_one: bool  # keys step by <= 1 per position (H even or 1): one tile per slot for consecutive rows
     precision: str  # tl.dot input precision: "ieee" for fp32 inputs
     split: bool  # 16-bit inputs: fp32 left operands of dots enter as two 16-bit parts
 
@@ -618,7 +677,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, launch: _Launch) -> tuple[Tensor, 
                                               num_warps=KERNEL_CONFIG["decode_warps"], **common)
     else:
         _esa_forward_kernel[(triton.cdiv(q_len, BLOCK_QUERIES), programs)](
-            *args, BM=BLOCK_QUERIES, ONE_CHUNK=launch.one_chunk, LAZY_RESCALE=KERNEL_CONFIG["lazy_rescale"],
+            *args, BM=BLOCK_QUERIES, STEP_ONE=launch.step_one, LAZY_RESCALE=KERNEL_CONFIG["lazy_rescale"],
             PRECISION=launch.precision, SPLIT=launch.split and KERNEL_CONFIG["forward_split"],
             num_warps=KERNEL_CONFIG["forward_warps"] or per_program,
             num_stages=KERNEL_CONFIG["forward_stages"], **common)
@@ -641,7 +700,7 @@ def _backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
     _esa_backward_dq_kernel[(triton.cdiv(q_len, BLOCK_QUERIES), programs)](
         q, k, v, out, do, dq, lse, delta, sorted_pos, order, slots, *_strides(q), *_strides(k), *_strides(v),
         *_strides(out), *_strides(do), *_strides(dq), stride_pos, stride_slots, *launch.rule_args(), launch.scale,
-        HEADS=per_program, BM=BLOCK_QUERIES, ONE_CHUNK=launch.one_chunk,
+        HEADS=per_program, BM=BLOCK_QUERIES, STEP_ONE=launch.step_one,
         num_warps=KERNEL_CONFIG["dq_warps"] or per_program, **offsets, **common)
     if not need_dkdv:
         return dq, None, None
@@ -771,7 +830,7 @@ def esa_attention(q: Tensor, k: Tensor, v: Tensor, pattern: ESA, scale: float | 
         layer_weight=max(layers - 1, 1) - pattern.layer_idx, scale=scale, q_len=q_len, kv_len=kv_len, span=span,
         first_pos=kv_len - q_len, sorted_pos=sorted_pos, order=order,
         key_slots=None if key_slots is None else key_slots.contiguous(),
-        one_chunk=q_positions is None and (heads % 2 == 0 or heads == 1),
+        step_one=heads % 2 == 0 or heads == 1,
         precision="ieee" if q.dtype == torch.float32 else "tf32", split=q.dtype != torch.float32,
     )
     return _EsaAttention.apply(q, k, v, launch)
