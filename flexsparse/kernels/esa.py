@@ -3,18 +3,23 @@
 Each query attends exactly ``w = attn_length`` keys per head, chosen by the integer rule of
 :class:`flexsparse.masks.ESA` (recomputed inside the kernels: no index table is read). The structure the kernels
 exploit: for one head and one slot j, the key ``b_j(p)`` of query position p is non-decreasing in p and, when
-``num_heads - 1`` is odd (or ``num_heads == 1``), grows by at most one per position (tests check both claims; an
-even ``num_heads - 1`` can step by two at a rounding tie). So BM consecutive queries read, per (head, slot), a
-contiguous range of at most BM keys:
+``num_heads`` is even (``num_heads - 1`` odd: no rounding ties in the head mix) or 1, grows by at most one per
+position (tests check both claims; an odd ``num_heads`` can step by two). So BM consecutive positions read, per
+(head, slot), a contiguous range of at most BM keys:
 
-* forward and dQ (query-major): a program takes BM consecutive queries of the G query heads of one KV head, and
-  for each slot loads each head's key range as a [BM, d] tile (one row per key position, through ``key_slots``
-  where given), computes the [BM, BM] score tile on tensor cores and keeps, per query, the one column that holds
-  its key (online softmax over the w slots);
+* forward and dQ (query-major): a program takes BM position-ordered queries of the G query heads of one KV head
+  (one warp per head) and, for each slot, loads each head's key range as a [BM, d] tile (rows through
+  ``key_slots`` where given), computes the [BM, BM] score tile on tensor cores and keeps, per query, the one column
+  that holds its key (online softmax over the w slots). When a block's real rows are not consecutive positions
+  (padding in the middle, gaps) or keys can step by two, it visits as many tiles per slot as its keys need;
 * dK/dV (key-major, no atomics, so every path is deterministic): a program owns BN key positions of one KV head
-  and, for each head of the group and each slot, binary-searches the contiguous range of queries whose slot-j key
-  falls in it, then accumulates ``P^T dO`` and ``dS^T Q`` in fp32;
+  and, for each head of the group and each slot, binary-searches the contiguous range of position-ordered queries
+  whose slot-j key falls in it, then accumulates ``P^T dO`` and ``dS^T Q`` in fp32;
 * decode (fewer than 16 queries): one program per query row gathers its w keys for the G heads of a group.
+
+16-bit inputs: scores and gradients accumulate in fp32, and the fp32 left operands of the P @ V, dS @ K, P^T @ dO
+and dS^T @ Q dots enter as two 16-bit parts (hi + lo), so bf16 gradients stay at the rounding level of a dense
+path; the forward's P split is ``KERNEL_CONFIG["forward_split"]``.
 
 Positions: query row i sits at ``S_kv - S_q + i`` unless ``q_positions`` says otherwise (-1 = padding; queries are
 processed in position order, a stable sort of the rows); key position p lives in slot ``key_slots[b, p]`` (slot p
@@ -673,8 +678,8 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, launch: _Launch) -> tuple[Tensor, 
     args = (q, k, v, out, lse, sorted_pos, order, slots, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
             stride_pos, stride_slots, *launch.rule_args())
     if q_len <= DECODE_MAX_QUERIES:
-        _esa_decode_kernel[(q_len, programs)](*args, SLOTS=min(triton.next_power_of_2(launch.attn_length), 16),
-                                              num_warps=KERNEL_CONFIG["decode_warps"], **common)
+        slots = min(triton.next_power_of_2(launch.attn_length), 64 // per_program)  # [heads, slots, d] tiles
+        _esa_decode_kernel[(q_len, programs)](*args, SLOTS=slots, num_warps=KERNEL_CONFIG["decode_warps"], **common)
     else:
         _esa_forward_kernel[(triton.cdiv(q_len, BLOCK_QUERIES), programs)](
             *args, BM=BLOCK_QUERIES, STEP_ONE=launch.step_one, LAZY_RESCALE=KERNEL_CONFIG["lazy_rescale"],
