@@ -93,7 +93,7 @@ def test_gather_reference_matches_dense_reference(chunk):
 @pytest.mark.parametrize(
     "change,error,match",
     [
-        (dict(q=torch.zeros(1, 4, 8, 16, dtype=torch.float64)), TypeError, "q must be float32"),
+        (dict(q=torch.zeros(1, 4, 8, 16, dtype=torch.float64)), TypeError, "q must be one of float32"),
         (dict(q=torch.zeros(4, 8, 16)), ValueError, "q must be 4-D"),
         (dict(q=torch.zeros(1, 4, 16, 8).transpose(2, 3)), ValueError, "contiguous last dimension"),
         (dict(k=torch.zeros(1, 3, 8, 16), v=torch.zeros(1, 3, 8, 16)), ValueError, "multiple of k/v's heads"),
@@ -146,7 +146,7 @@ def test_kernel_cases_under_triton_interpreter():
 CASES = {  # batch, heads, kv_heads, q_len, kv_len, dim, attn_length, layers, layer
     "prefill mha": (1, 2, 2, 33, 33, 16, 8, 4, 1),
     "prefill gqa2 batch2 d32": (2, 4, 2, 24, 24, 32, 4, 4, 2),
-    "prefill gqa4 last layer w6": (1, 4, 1, 48, 48, 16, 6, 3, 2),
+    "prefill gqa4 last layer w6": (1, 4, 1, 36, 36, 16, 6, 3, 2),
     "chunked prefill": (1, 4, 2, 18, 40, 16, 8, 4, 3),
     "decode": (2, 4, 2, 1, 45, 16, 8, 4, 2),
     "small chunk": (1, 4, 4, 5, 45, 16, 8, 4, 1),
@@ -171,15 +171,15 @@ def test_kernel_forward_and_backward_match_dense_reference(case):
 @kernel_test
 def test_kernel_padding_rows_in_any_order_give_zero_rows_and_no_gradient():
     pattern = ESA(2, 4, 6, 4)
-    q, k, v = qkv(2, 4, 2, 20, 40, 16, seed=3)
+    q, k, v = qkv(2, 4, 2, 18, 32, 16, seed=3)
     grad_out = torch.randn_like(q)
     gen = torch.Generator().manual_seed(5)
-    positions = torch.stack([torch.randperm(40, generator=gen)[:20] for _ in range(2)]).to(torch.int32)
+    positions = torch.stack([torch.randperm(32, generator=gen)[:18] for _ in range(2)]).to(torch.int32)
     positions[0, ::5] = -1
     positions[1, 3:9] = -1
-    positions[1, 10] = 40  # beyond the keys: padding too
+    positions[1, 10] = 32  # beyond the keys: padding too
     positions = positions.to(DEVICE)
-    padding = (positions < 0) | (positions >= 40)
+    padding = (positions < 0) | (positions >= 32)
     call = dict(q_positions=positions)
     expected = float64(lambda a, b, c: esa_attention_reference(a, b, c, pattern, **call), q, k, v, grad_out)
     got = with_grads(lambda a, b, c: esa_attention(a, b, c, pattern, **call), q, k, v, grad_out)
@@ -188,9 +188,9 @@ def test_kernel_padding_rows_in_any_order_give_zero_rows_and_no_gradient():
     assert (out[padding] == 0).all() and (dq[padding] == 0).all()
     # batch 0's real rows agree with the dense reference run on queries placed at their positions
     real = ~padding[0]
-    placed = torch.zeros(1, 4, 40, 16, dtype=torch.float64, device=DEVICE)
+    placed = torch.zeros(1, 4, 32, 16, dtype=torch.float64, device=DEVICE)
     placed[0, :, positions[0, real].long()] = q[0, :, real].double()
-    dense = dense_reference(placed, k[:1].double(), v[:1].double(), pattern.dense(Geometry(4, 40, device=DEVICE)))
+    dense = dense_reference(placed, k[:1].double(), v[:1].double(), pattern.dense(Geometry(4, 32, device=DEVICE)))
     torch.testing.assert_close(got[0][0, :, real].double(), dense[0, :, positions[0, real].long()],
                                atol=FP32_OUT_ATOL, rtol=0)
 
@@ -217,7 +217,7 @@ def test_kernel_left_padded_batch_matches_each_sequence_alone():
 
 
 @kernel_test
-@settings(max_examples=5)
+@settings(max_examples=4)
 @given(heads_per_group=st.sampled_from([1, 2, 3, 4]), kv_heads=st.integers(1, 2), data=st.data())
 def test_kernel_forward_matches_reference_on_random_geometries(heads_per_group, kv_heads, data):
     heads = heads_per_group * kv_heads

@@ -41,7 +41,7 @@ import triton.language as tl
 from torch import Tensor
 
 from flexsparse.masks.esa import ESA
-from flexsparse.validation import as_float
+from flexsparse.validation import as_float, as_int
 
 BLOCK_QUERIES = 16
 """Queries per forward/dQ program (the tensor-core minimum); also the key tile, so one tile holds a range."""
@@ -124,7 +124,8 @@ def _program_heads(pid, NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEADS: tl.
     rest = pid % (kv_heads * blocks_per_group)
     kv_head = rest // blocks_per_group
     member = (rest % blocks_per_group) * HEADS + tl.arange(0, HEADS)
-    return batch, kv_head, kv_head * GROUP + member, member < GROUP
+    # padding heads (GROUP not a power of two) compute with the group's last head and are masked out
+    return batch, kv_head, kv_head * GROUP + tl.minimum(member, GROUP - 1), member < GROUP
 
 
 @triton.jit
@@ -253,7 +254,7 @@ def _forward_slots(q, pos, real, head, head_ok, first_real, last_real, K_B, V_B,
             next_first = _slot_base(start_first, window_first, j + 1, W)
             next_last = _slot_base(start_last, window_last, j + 1, W)
             lo = _head_key(base_first, next_first, head, NUM_HEADS)
-            hi = _head_key(base_last, next_last, head, NUM_HEADS)
+            hi = tl.where(head_ok, _head_key(base_last, next_last, head, NUM_HEADS), -1)
             acc, l_sum, m_max = _forward_chunk(q, acc, l_sum, m_max, key, ok, lo, hi, K_B, V_B, SLOTS_B,
                                                stride_ks, stride_vs, kv_len, span, scale_log2, BM, D, HAS_SLOTS,
                                                WIDE, SAME_KV_STRIDE, LAZY_RESCALE, PRECISION, SPLIT)
@@ -409,9 +410,9 @@ def _dq_chunk(q, do, dq, lse, delta, key, ok, lo, hi, K_B, V_B, SLOTS_B, stride_
 
 
 @triton.jit
-def _dq_slots(q, do, lse, delta, pos, rows_ok, head, first_real, last_real, K_B, V_B, SLOTS_B, stride_ks,
-              stride_vs, kv_len, span, layer_weight, scale_log2, NUM_HEADS: tl.constexpr, HEADS: tl.constexpr,
-              W: tl.constexpr, LAYER_DEN: tl.constexpr, BM: tl.constexpr, D: tl.constexpr,
+def _dq_slots(q, do, lse, delta, pos, rows_ok, head, head_ok, first_real, last_real, K_B, V_B, SLOTS_B,
+              stride_ks, stride_vs, kv_len, span, layer_weight, scale_log2, NUM_HEADS: tl.constexpr,
+              HEADS: tl.constexpr, W: tl.constexpr, LAYER_DEN: tl.constexpr, BM: tl.constexpr, D: tl.constexpr,
               HAS_SLOTS: tl.constexpr, WIDE: tl.constexpr, SAME_KV_STRIDE: tl.constexpr, ONE_TILE: tl.constexpr,
               PRECISION: tl.constexpr, SPLIT: tl.constexpr):
     """dQ [HEADS, BM, D] (unscaled) summed over the w slots; tiles as in :func:`_forward_slots`."""
@@ -428,7 +429,7 @@ def _dq_slots(q, do, lse, delta, pos, rows_ok, head, first_real, last_real, K_B,
             next_first = _slot_base(start_first, window_first, j + 1, W)
             next_last = _slot_base(start_last, window_last, j + 1, W)
             lo = _head_key(base_first, next_first, head, NUM_HEADS)
-            hi = _head_key(base_last, next_last, head, NUM_HEADS)
+            hi = tl.where(head_ok, _head_key(base_last, next_last, head, NUM_HEADS), -1)
             dq = _dq_chunk(q, do, dq, lse, delta, key, ok, lo, hi, K_B, V_B, SLOTS_B, stride_ks, stride_vs,
                            kv_len, span, scale_log2, BM, D, HAS_SLOTS, WIDE, SAME_KV_STRIDE, PRECISION, SPLIT)
             base_first, base_last = next_first, next_last
@@ -485,13 +486,13 @@ def _esa_backward_dq_kernel(
     if STEP_ONE:
         one_tile = consecutive
     if one_tile:
-        dq = _dq_slots(q, do, lse, delta, pos, rows_ok, head, first_real, last_real, K_B, V_B, SLOTS_B, stride_ks,
-                       stride_vs, kv_len, span, layer_weight, scale_log2, NUM_HEADS, HEADS, W, LAYER_DEN, BM, D,
-                       HAS_SLOTS, WIDE, SAME_KV_STRIDE, True, PRECISION, SPLIT)
+        dq = _dq_slots(q, do, lse, delta, pos, rows_ok, head, head_ok, first_real, last_real, K_B, V_B, SLOTS_B,
+                       stride_ks, stride_vs, kv_len, span, layer_weight, scale_log2, NUM_HEADS, HEADS, W, LAYER_DEN,
+                       BM, D, HAS_SLOTS, WIDE, SAME_KV_STRIDE, True, PRECISION, SPLIT)
     else:
-        dq = _dq_slots(q, do, lse, delta, pos, rows_ok, head, first_real, last_real, K_B, V_B, SLOTS_B, stride_ks,
-                       stride_vs, kv_len, span, layer_weight, scale_log2, NUM_HEADS, HEADS, W, LAYER_DEN, BM, D,
-                       HAS_SLOTS, WIDE, SAME_KV_STRIDE, False, PRECISION, SPLIT)
+        dq = _dq_slots(q, do, lse, delta, pos, rows_ok, head, head_ok, first_real, last_real, K_B, V_B, SLOTS_B,
+                       stride_ks, stride_vs, kv_len, span, layer_weight, scale_log2, NUM_HEADS, HEADS, W, LAYER_DEN,
+                       BM, D, HAS_SLOTS, WIDE, SAME_KV_STRIDE, False, PRECISION, SPLIT)
 
     tl.store(DQ + batch64 * stride_dqb + at_head * stride_dqh + at_row * stride_dqs + at_dim,
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=store[:, :, None])
@@ -760,14 +761,14 @@ def _check_position_tensor(name: str, t: Tensor | None, batch: int, length: int 
         raise ValueError(f"{name} is on {t.device}, q is on {device}")
 
 
-def _check_inputs(q: Tensor, k: Tensor, v: Tensor, pattern: ESA) -> None:
+def _check_inputs(q: Tensor, k: Tensor, v: Tensor, pattern: ESA, dtypes: tuple = _SUPPORTED_DTYPES) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             raise ValueError(f"{name} must be 4-D [B, heads, seq, head_dim], got shape {list(t.shape)}")
-        if t.dtype not in _SUPPORTED_DTYPES:
-            raise TypeError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
+        if t.dtype not in dtypes:
+            raise TypeError(f"{name} must be one of {', '.join(str(d)[6:] for d in dtypes)}, got {t.dtype}")
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have a contiguous last dimension (stride(-1) == 1)")
     if not isinstance(pattern, ESA):
@@ -847,11 +848,15 @@ def esa_attention_reference(q: Tensor, k: Tensor, v: Tensor, pattern: ESA, scale
     """The same function as :func:`esa_attention` in plain PyTorch (any device, differentiable).
 
     Gathers each query's w keys, ``chunk`` queries at a time: O(B H S_q w d) time, O(H chunk w d) memory. Computes
-    in q's dtype (pass float64 inputs for a high-precision reference).
+    in q's dtype (float64 accepted here: pass float64 inputs for a high-precision reference).
     """
+    _check_inputs(q, k, v, pattern, dtypes=_SUPPORTED_DTYPES + (torch.float64,))
     batch, heads, q_len, dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
-    scale = dim**-0.5 if scale is None else scale
+    scale = dim**-0.5 if scale is None else as_float("scale", scale, positive=True)
+    chunk = as_int("chunk", chunk, minimum=1)
+    _check_position_tensor("q_positions", q_positions, batch, q_len, q.device)
+    _check_position_tensor("key_slots", key_slots, batch, None, q.device)
     span = kv_len if key_slots is None else key_slots.shape[1]
     if q_positions is None:
         q_positions = (torch.arange(q_len, device=q.device) + kv_len - q_len)[None]
@@ -865,7 +870,10 @@ def esa_attention_reference(q: Tensor, k: Tensor, v: Tensor, pattern: ESA, scale
             real = (pos >= 0) & (pos < span)
             index = pattern.indices(torch.where(real, pos, 0))  # [H, n, w]
             ok = real[None, :, None] & (index <= pos[None, :, None])
-            slot = index if key_slots is None else key_slots[min(b, key_slots.shape[0] - 1)].long()[index.clamp(max=span - 1)]
+            if key_slots is None:
+                slot = index
+            else:
+                slot = key_slots[min(b, key_slots.shape[0] - 1)].long()[index.clamp(max=span - 1)]
             ok &= (slot >= 0) & (slot < kv_len)
             slot = torch.where(ok, slot, 0)
             keys = k[b][kv_head[:, None, None], slot]  # [H, n, w, d]
