@@ -1,0 +1,885 @@
+"""ESA (Elastic Sparse Attention, seed 004) as Triton gather kernels: forward, backward and decode in O(S * w).
+
+Each query attends exactly ``w = attn_length`` keys per head, chosen by the integer rule of
+:class:`flexsparse.masks.ESA` (recomputed inside the kernels: no index table is read). The structure the kernels
+exploit: for one head and one slot j, the key ``b_j(p)`` of query position p is non-decreasing in p and, when
+``num_heads`` is even (``num_heads - 1`` odd: no rounding ties in the head mix) or 1, grows by at most one per
+position (tests check both claims; an odd ``num_heads`` can step by two). So BM consecutive positions read, per
+(head, slot), a contiguous range of at most BM keys:
+
+* forward and dQ (query-major): a program takes BM position-ordered queries of the G query heads of one KV head
+  (one warp per head) and, for each slot, loads each head's key range as a [BM, d] tile (rows through
+  ``key_slots`` where given), computes the [BM, BM] score tile on tensor cores and keeps, per query, the one column
+  that holds its key (online softmax over the w slots). When a block's real rows are not consecutive positions
+  (padding in the middle, gaps) or keys can step by two, it visits as many tiles per slot as its keys need;
+* dK/dV (key-major, no atomics, so every path is deterministic): a program owns BN key positions of one KV head
+  and, for each head of the group and each slot, binary-searches the contiguous range of position-ordered queries
+  whose slot-j key falls in it, then accumulates ``P^T dO`` and ``dS^T Q`` in fp32;
+* decode (fewer than 16 queries): one program per query row gathers its w keys for the G heads of a group.
+
+16-bit inputs: scores and gradients accumulate in fp32, and the fp32 left operands of the P @ V, dS @ K, P^T @ dO
+and dS^T @ Q dots enter as two 16-bit parts (hi + lo), so bf16 gradients stay at the rounding level of a dense
+path; the forward's P split is ``KERNEL_CONFIG["forward_split"]``.
+
+Positions: query row i sits at ``S_kv - S_q + i`` unless ``q_positions`` says otherwise (-1 = padding; queries are
+processed in position order, a stable sort of the rows); key position p lives in slot ``key_slots[b, p]`` (slot p
+without ``key_slots``). A key position whose slot is outside ``[0, S_kv)`` (or beyond ``key_slots``) is absent:
+it takes no part in the softmax. A query position outside ``[0, span)`` (``span`` = key_slots' length, or S_kv)
+is padding.
+
+Also here: :func:`esa_attention_reference`, the same function in plain PyTorch (a chunked gather), for tests and
+for CPU use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from flexsparse.masks.esa import ESA
+from flexsparse.validation import as_float, as_int
+
+BLOCK_QUERIES = 16
+"""Queries per forward/dQ program (the tensor-core minimum); also the key tile, so one tile holds a range."""
+BLOCK_KEYS = 16
+"""Key positions per dK/dV program."""
+DECODE_MAX_QUERIES = BLOCK_QUERIES - 1
+"""Up to this many queries per sequence, the per-row gather kernel runs instead of the tile kernel."""
+KERNEL_CONFIG = {
+    "heads_per_program": 0,  # query heads of one KV group per forward/dQ program; 0: the whole group
+    "forward_warps": 0,  # 0: one warp per head of the program
+    "forward_stages": 2,
+    "lazy_rescale": True,  # rescale the running output only when some row's max grew by more than 2**8
+    "forward_split": True,  # P enters P @ V as two 16-bit parts (False: one, as FlashAttention; dQ error 2.3x)
+    "dq_warps": 0,
+    "dkdv_warps": 2,  # 2: no spills in the loop, fewest instructions per query block (SASS)
+    "dkdv_queries": 16,
+    "decode_warps": 4,
+}
+"""Launch settings, chosen from the compiler's SASS (instruction counts per slot) on CPU: docs/notes/esa-kernel.md."""
+
+_SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_LOG2E = 1.4426950408889634
+_BIG = tl.constexpr(1 << 30)
+_RESCALE_THRESHOLD = tl.constexpr(8.0)  # log2 units: the running max may lag the true max by 2**8
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The index rule of flexsparse.masks.ESA, in Triton (int32, exact: the launcher checks the range).
+
+
+@triton.jit
+def _round_div(num, DEN: tl.constexpr):
+    """round(num / DEN) with ties to even, for int32 tensors 0 <= num < 2**31, in unsigned arithmetic: a shift for
+    a power of two DEN, a multiply-high for an odd one."""
+    n = num.to(tl.uint32)
+    if DEN % 2 == 1:  # never a tie
+        quotient = (n + DEN // 2) // DEN
+    elif (DEN & (DEN - 1)) == 0:  # a tie (remainder DEN / 2) rounds up only from an odd quotient
+        quotient = (n + (DEN // 2 - 1) + ((n // DEN) & 1)) // DEN
+    else:
+        twice = 2 * n + DEN
+        quotient = twice // (2 * DEN)
+        quotient = quotient - ((quotient * (2 * DEN) == twice) & (quotient % 2 == 1)).to(tl.uint32)
+    return quotient.to(tl.int32)
+
+
+@triton.jit
+def _start_and_window(pos, layer_weight, W: tl.constexpr, LAYER_DEN: tl.constexpr):
+    """Start s and window n - s of query positions pos (n = max(w, pos + 1))."""
+    n = tl.maximum(pos + 1, W)
+    start = _round_div((n - W) * layer_weight, LAYER_DEN)
+    return start, n - start
+
+
+@triton.jit
+def _slot_base(start, window, j, W: tl.constexpr):
+    """base_j = s + round(j * window / w)."""
+    return start + _round_div(j * window, W)
+
+
+@triton.jit
+def _head_key(base, next_base, head, NUM_HEADS: tl.constexpr):
+    """Key of a slot for a head: round((base_j (H - 1 - h) + (base_{j+1} - 1) h) / (H - 1)) (broadcasts)."""
+    if NUM_HEADS == 1:
+        return base + 0 * head
+    else:
+        return _round_div(base * (NUM_HEADS - 1 - head) + (next_base - 1) * head, NUM_HEADS - 1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Shared pieces of the kernels: which heads a program owns, query rows and positions, key slots.
+
+
+@triton.jit
+def _program_heads(pid, NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEADS: tl.constexpr):
+    """(batch, KV head, query heads [HEADS], which of them exist) of program ``pid``; HEADS heads of one group."""
+    blocks_per_group = (GROUP + HEADS - 1) // HEADS
+    kv_heads = NUM_HEADS // GROUP
+    batch = pid // (kv_heads * blocks_per_group)
+    rest = pid % (kv_heads * blocks_per_group)
+    kv_head = rest // blocks_per_group
+    member = (rest % blocks_per_group) * HEADS + tl.arange(0, HEADS)
+    # padding heads (GROUP not a power of two) compute with the group's last head and are masked out
+    return batch, kv_head, kv_head * GROUP + tl.minimum(member, GROUP - 1), member < GROUP
+
+
+@triton.jit
+def _query_rows(r, batch, q_len, span, first_pos, SORTED_POS, ORDER, stride_pos_b, HAS_POSITIONS: tl.constexpr):
+    """For position-ordered rows r: (tensor row, position clamped to >= 0, row holds a real query)."""
+    in_range = r < q_len
+    if HAS_POSITIONS:
+        offset = batch.to(tl.int64) * stride_pos_b + r
+        row = tl.load(ORDER + offset, mask=in_range, other=0)
+        pos = tl.load(SORTED_POS + offset, mask=in_range, other=-1)
+    else:
+        row = r
+        pos = first_pos + r
+    real = in_range & (pos >= 0) & (pos < span)
+    return row, tl.where(real, pos, 0), real
+
+
+@triton.jit
+def _key_slots(kpos, needed, SLOTS_B, kv_len, span, HAS_SLOTS: tl.constexpr):
+    """Slots (int32, 0 where absent) and presence of key positions kpos."""
+    if HAS_SLOTS:
+        slot = tl.load(SLOTS_B + kpos, mask=needed & (kpos < span), other=-1)
+    else:
+        slot = kpos
+    present = needed & (slot >= 0) & (slot < kv_len)
+    return tl.where(present, slot, 0), present
+
+
+@triton.jit
+def _row_offsets(slot, stride_ks, stride_vs, WIDE: tl.constexpr, SAME_KV_STRIDE: tl.constexpr):
+    """Element offsets of key rows in K and in V: int32 unless the launcher found that they may overflow it."""
+    if WIDE:
+        slot = slot.to(tl.int64)
+    row_k = slot * stride_ks
+    if SAME_KV_STRIDE:
+        row_v = row_k
+    else:
+        row_v = slot * stride_vs
+    return row_k, row_v
+
+
+@triton.jit
+def _key_range_tiles(K_B, V_B, SLOTS_B, key, ok, lo, hi, stride_ks, stride_vs, kv_len, span,
+                     BM: tl.constexpr, D: tl.constexpr, HAS_SLOTS: tl.constexpr, WIDE: tl.constexpr,
+                     SAME_KV_STRIDE: tl.constexpr):
+    """K and V tiles [HEADS, BM, D] of key positions lo + c (c < BM, each head its own lo, rows past hi skipped)
+    and the selection [HEADS, BM queries, BM columns]: column c holds query r's key."""
+    cols = tl.arange(0, BM)
+    dims = tl.arange(0, D)
+    kpos = lo[:, None] + cols[None, :]
+    slot, present = _key_slots(kpos, kpos <= hi[:, None], SLOTS_B, kv_len, span, HAS_SLOTS)
+    row_k, row_v = _row_offsets(slot, stride_ks, stride_vs, WIDE, SAME_KV_STRIDE)
+    k = tl.load(K_B + row_k[:, :, None] + dims[None, None, :], mask=present[:, :, None], other=0.0)
+    v = tl.load(V_B + row_v[:, :, None] + dims[None, None, :], mask=present[:, :, None], other=0.0)
+    select = ((key - lo[:, None])[:, :, None] == cols[None, None, :]) & ok[:, :, None] & present[:, None, :]
+    return k, v, select
+
+
+@triton.jit
+def _dot_fp32_lhs(a, b, acc, PRECISION: tl.constexpr, SPLIT: tl.constexpr):
+    """acc + a @ b for an fp32 a and a 16-bit b: a is rounded to b's dtype, and with SPLIT its rounding error is
+    multiplied in by a second dot, so a keeps ~16 bits instead of 8 (bf16)."""
+    high = a.to(b.dtype)
+    acc = tl.dot(high, b, acc, input_precision=PRECISION)
+    if SPLIT:
+        acc = tl.dot((a - high.to(tl.float32)).to(b.dtype), b, acc, input_precision=PRECISION)
+    return acc
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Forward.
+
+
+@triton.jit
+def _forward_chunk(q, acc, l_sum, m_max, key, ok, lo, hi, K_B, V_B, SLOTS_B, stride_ks, stride_vs, kv_len, span,
+                   scale_log2, BM: tl.constexpr, D: tl.constexpr, HAS_SLOTS: tl.constexpr, WIDE: tl.constexpr,
+                   SAME_KV_STRIDE: tl.constexpr, LAZY_RESCALE: tl.constexpr, PRECISION: tl.constexpr,
+                   SPLIT: tl.constexpr):
+    """Online-softmax step over one key tile per head: each query row gains at most one key."""
+    k, v, select = _key_range_tiles(K_B, V_B, SLOTS_B, key, ok, lo, hi, stride_ks, stride_vs, kv_len, span, BM,
+                                    D, HAS_SLOTS, WIDE, SAME_KV_STRIDE)
+    scores = tl.dot(q, tl.trans(k, 0, 2, 1), input_precision=PRECISION)
+    score = tl.max(tl.where(select, scores, float("-inf")), axis=2) * scale_log2  # [HEADS, BM], -inf: no key
+    m_new = tl.maximum(m_max, score)
+    if LAZY_RESCALE:  # rescale only when some row's max grew by more than 2**8
+        if tl.max(m_new - m_max) > _RESCALE_THRESHOLD:
+            alpha = tl.math.exp2(m_max - m_new)
+            acc = acc * alpha[:, :, None]
+            l_sum = l_sum * alpha
+            m_max = m_new
+    else:
+        alpha = tl.math.exp2(m_max - m_new)
+        acc = acc * alpha[:, :, None]
+        l_sum = l_sum * alpha
+        m_max = m_new
+    p = tl.math.exp2(score - m_max)
+    l_sum += p
+    acc = _dot_fp32_lhs(tl.where(select, p[:, :, None], 0.0), v, acc, PRECISION, SPLIT)
+    return acc, l_sum, m_max
+
+
+@triton.jit
+def _forward_slots(q, pos, real, head, head_ok, first_real, last_real, K_B, V_B, SLOTS_B, stride_ks, stride_vs,
+                   kv_len, span, layer_weight, scale_log2, NUM_HEADS: tl.constexpr, HEADS: tl.constexpr,
+                   W: tl.constexpr, LAYER_DEN: tl.constexpr, BM: tl.constexpr, D: tl.constexpr,
+                   HAS_SLOTS: tl.constexpr, WIDE: tl.constexpr, SAME_KV_STRIDE: tl.constexpr, ONE_TILE: tl.constexpr,
+                   LAZY_RESCALE: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr):
+    """Online softmax over the w slots: (acc [HEADS, BM, D], row sums, row maxima).
+
+    ONE_TILE: the real rows hold consecutive positions first_real..last_real and keys step by <= 1, so one tile per
+    slot, from the key of first_real to that of last_real (scalars, no reductions), holds every row's key.
+    Otherwise the tiles that hold some row's key are visited in increasing order.
+    """
+    acc = tl.zeros([HEADS, BM, D], dtype=tl.float32)
+    l_sum = tl.zeros([HEADS, BM], dtype=tl.float32)
+    m_max = tl.full([HEADS, BM], -1.0e30, dtype=tl.float32)
+    start, window = _start_and_window(pos, layer_weight, W, LAYER_DEN)
+    start_first, window_first = _start_and_window(first_real, layer_weight, W, LAYER_DEN)
+    start_last, window_last = _start_and_window(last_real, layer_weight, W, LAYER_DEN)
+    base, base_first, base_last = start, start_first, start_last
+    for j in range(W):
+        next_base = _slot_base(start, window, j + 1, W)
+        key = _head_key(base[None, :], next_base[None, :], head[:, None], NUM_HEADS)  # [HEADS, BM]
+        ok = real[None, :] & head_ok[:, None] & (key <= pos[None, :])
+        if ONE_TILE:
+            next_first = _slot_base(start_first, window_first, j + 1, W)
+            next_last = _slot_base(start_last, window_last, j + 1, W)
+            lo = _head_key(base_first, next_first, head, NUM_HEADS)
+            hi = tl.where(head_ok, _head_key(base_last, next_last, head, NUM_HEADS), -1)
+            acc, l_sum, m_max = _forward_chunk(q, acc, l_sum, m_max, key, ok, lo, hi, K_B, V_B, SLOTS_B,
+                                               stride_ks, stride_vs, kv_len, span, scale_log2, BM, D, HAS_SLOTS,
+                                               WIDE, SAME_KV_STRIDE, LAZY_RESCALE, PRECISION, SPLIT)
+            base_first, base_last = next_first, next_last
+        else:
+            pending = tl.where(ok, key, _BIG)
+            lo = tl.min(pending, axis=1)
+            hi = tl.max(tl.where(ok, key, -1), axis=1)
+            while tl.min(lo, axis=0) < _BIG:
+                acc, l_sum, m_max = _forward_chunk(q, acc, l_sum, m_max, key, ok, lo, hi, K_B, V_B, SLOTS_B,
+                                                   stride_ks, stride_vs, kv_len, span, scale_log2, BM, D,
+                                                   HAS_SLOTS, WIDE, SAME_KV_STRIDE, LAZY_RESCALE, PRECISION,
+                                                   SPLIT)
+                lo = tl.min(tl.where(pending >= lo[:, None] + BM, pending, _BIG), axis=1)
+        base = next_base
+    return acc, l_sum, m_max
+
+
+@triton.jit
+def _position_span(pos, real, first_row_pos, BM: tl.constexpr, HAS_POSITIONS: tl.constexpr):
+    """(first, last) position of a block's real rows and whether they are consecutive (then one tile per slot
+    suffices when keys step by <= 1). Without q_positions the rows are consecutive by construction."""
+    if HAS_POSITIONS:
+        first = tl.min(tl.where(real, pos, _BIG), axis=0)
+        last = tl.max(tl.where(real, pos, -1), axis=0)
+        count = tl.sum(real.to(tl.int32), axis=0)
+        return tl.minimum(first, last), last, (count > 0) & (last - first == count - 1)
+    else:
+        return first_row_pos, first_row_pos + BM - 1, True
+
+
+@triton.jit
+def _esa_forward_kernel(
+    Q, K, V, O, LSE, SORTED_POS, ORDER, KEY_SLOTS,
+    stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+    stride_ob, stride_oh, stride_os, stride_pos_b, stride_slots_b,
+    q_len, kv_len, span, first_pos, layer_weight, scale_log2,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEADS: tl.constexpr, W: tl.constexpr,
+    LAYER_DEN: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, HAS_POSITIONS: tl.constexpr,
+    HAS_SLOTS: tl.constexpr, WIDE: tl.constexpr, SAME_KV_STRIDE: tl.constexpr, STEP_ONE: tl.constexpr,
+    LAZY_RESCALE: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,
+):
+    """O [B, H, S_q, D] and LSE [B, H, S_q] (log2 units) for BM position-ordered queries x HEADS heads."""
+    batch, kv_head, head, head_ok = _program_heads(tl.program_id(1), NUM_HEADS, GROUP, HEADS)
+    r = tl.program_id(0) * BM + tl.arange(0, BM)
+    row, pos, real = _query_rows(r, batch, q_len, span, first_pos, SORTED_POS, ORDER, stride_pos_b, HAS_POSITIONS)
+    dims = tl.arange(0, D)
+    head64, row64, batch64 = head.to(tl.int64), row.to(tl.int64), batch.to(tl.int64)
+    q_mask = head_ok[:, None, None] & real[None, :, None]
+    q = tl.load(Q + batch64 * stride_qb + head64[:, None, None] * stride_qh + row64[None, :, None] * stride_qs
+                + dims[None, None, :], mask=q_mask, other=0.0)
+    K_B = K + batch64 * stride_kb + kv_head.to(tl.int64) * stride_kh
+    V_B = V + batch64 * stride_vb + kv_head.to(tl.int64) * stride_vh
+    SLOTS_B = KEY_SLOTS + batch64 * stride_slots_b
+
+    first_real, last_real, consecutive = _position_span(pos, real, first_pos + tl.program_id(0) * BM, BM,
+                                                        HAS_POSITIONS)
+    one_tile = False
+    if STEP_ONE:
+        one_tile = consecutive  # a run-time choice per block with q_positions (padding, gaps)
+    if one_tile:
+        acc, l_sum, m_max = _forward_slots(q, pos, real, head, head_ok, first_real, last_real, K_B, V_B, SLOTS_B,
+                                           stride_ks, stride_vs, kv_len, span, layer_weight, scale_log2, NUM_HEADS,
+                                           HEADS, W, LAYER_DEN, BM, D, HAS_SLOTS, WIDE, SAME_KV_STRIDE, True,
+                                           LAZY_RESCALE, PRECISION, SPLIT)
+    else:
+        acc, l_sum, m_max = _forward_slots(q, pos, real, head, head_ok, first_real, last_real, K_B, V_B, SLOTS_B,
+                                           stride_ks, stride_vs, kv_len, span, layer_weight, scale_log2, NUM_HEADS,
+                                           HEADS, W, LAYER_DEN, BM, D, HAS_SLOTS, WIDE, SAME_KV_STRIDE, False,
+                                           LAZY_RESCALE, PRECISION, SPLIT)
+
+    has_keys = l_sum > 0
+    l_safe = tl.where(has_keys, l_sum, 1.0)
+    out = acc / l_safe[:, :, None]
+    store = head_ok[:, None] & (r < q_len)[None, :]
+    tl.store(O + batch64 * stride_ob + head64[:, None, None] * stride_oh + row64[None, :, None] * stride_os
+             + dims[None, None, :], out.to(O.dtype.element_ty), mask=store[:, :, None])
+    lse = tl.where(has_keys, m_max + tl.math.log2(l_safe), float("inf"))
+    tl.store(LSE + (batch64 * NUM_HEADS + head64[:, None]) * q_len + row64[None, :], lse, mask=store)
+
+
+@triton.jit
+def _esa_decode_kernel(
+    Q, K, V, O, LSE, SORTED_POS, ORDER, KEY_SLOTS,
+    stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+    stride_ob, stride_oh, stride_os, stride_pos_b, stride_slots_b,
+    q_len, kv_len, span, first_pos, layer_weight, scale_log2,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEADS: tl.constexpr, W: tl.constexpr,
+    LAYER_DEN: tl.constexpr, D: tl.constexpr, SLOTS: tl.constexpr, HAS_POSITIONS: tl.constexpr,
+    HAS_SLOTS: tl.constexpr, WIDE: tl.constexpr, SAME_KV_STRIDE: tl.constexpr,
+):
+    """One query row x HEADS heads: gather the w keys, SLOTS slots at a time, fp32 dot products."""
+    batch, kv_head, head, head_ok = _program_heads(tl.program_id(1), NUM_HEADS, GROUP, HEADS)
+    r = tl.program_id(0)
+    row, pos, real = _query_rows(r, batch, q_len, span, first_pos, SORTED_POS, ORDER, stride_pos_b, HAS_POSITIONS)
+    dims = tl.arange(0, D)
+    head64, row64, batch64 = head.to(tl.int64), row.to(tl.int64), batch.to(tl.int64)
+    q = tl.load(Q + batch64 * stride_qb + head64[:, None] * stride_qh + row64 * stride_qs + dims[None, :],
+                mask=head_ok[:, None] & real, other=0.0).to(tl.float32)
+    K_B = K + batch64 * stride_kb + kv_head.to(tl.int64) * stride_kh
+    V_B = V + batch64 * stride_vb + kv_head.to(tl.int64) * stride_vh
+    SLOTS_B = KEY_SLOTS + batch64 * stride_slots_b
+
+    acc = tl.zeros([HEADS, D], dtype=tl.float32)
+    l_sum = tl.zeros([HEADS], dtype=tl.float32)
+    m_max = tl.full([HEADS], -1.0e30, dtype=tl.float32)
+    start, window = _start_and_window(pos, layer_weight, W, LAYER_DEN)
+    for j0 in range(0, W, SLOTS):
+        j = j0 + tl.arange(0, SLOTS)
+        key = _head_key(_slot_base(start, window, j, W)[None, :], _slot_base(start, window, j + 1, W)[None, :],
+                        head[:, None], NUM_HEADS)  # [HEADS, SLOTS]
+        ok = real & head_ok[:, None] & (j < W)[None, :] & (key <= pos)
+        slot, present = _key_slots(key, ok, SLOTS_B, kv_len, span, HAS_SLOTS)
+        row_k, row_v = _row_offsets(slot, stride_ks, stride_vs, WIDE, SAME_KV_STRIDE)
+        k = tl.load(K_B + row_k[:, :, None] + dims[None, None, :], mask=present[:, :, None], other=0.0)
+        score = tl.sum(q[:, None, :] * k.to(tl.float32), axis=2) * scale_log2
+        score = tl.where(present, score, float("-inf"))
+        m_new = tl.maximum(m_max, tl.max(score, axis=1))
+        alpha = tl.math.exp2(m_max - m_new)
+        p = tl.math.exp2(score - m_new[:, None])
+        v = tl.load(V_B + row_v[:, :, None] + dims[None, None, :], mask=present[:, :, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32), axis=1)
+        l_sum = l_sum * alpha + tl.sum(p, axis=1)
+        m_max = m_new
+
+    has_keys = l_sum > 0
+    l_safe = tl.where(has_keys, l_sum, 1.0)
+    store = head_ok & (r < q_len)
+    tl.store(O + batch64 * stride_ob + head64[:, None] * stride_oh + row64 * stride_os + dims[None, :],
+             (acc / l_safe[:, None]).to(O.dtype.element_ty), mask=store[:, None])
+    lse = tl.where(has_keys, m_max + tl.math.log2(l_safe), float("inf"))
+    tl.store(LSE + (batch64 * NUM_HEADS + head64) * q_len + row64, lse, mask=store)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Backward: dQ (query-major, also writes delta = rowsum(dO * O)), then dK/dV (key-major).
+
+
+@triton.jit
+def _dq_chunk(q, do, dq, lse, delta, key, ok, lo, hi, K_B, V_B, SLOTS_B, stride_ks, stride_vs, kv_len, span,
+              scale_log2, BM: tl.constexpr, D: tl.constexpr, HAS_SLOTS: tl.constexpr, WIDE: tl.constexpr,
+              SAME_KV_STRIDE: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr):
+    """dQ step over one key tile per head: dS = P (dP - delta) at each row's one key, dQ += dS K."""
+    k, v, select = _key_range_tiles(K_B, V_B, SLOTS_B, key, ok, lo, hi, stride_ks, stride_vs, kv_len, span, BM,
+                                    D, HAS_SLOTS, WIDE, SAME_KV_STRIDE)
+    scores = tl.dot(q, tl.trans(k, 0, 2, 1), input_precision=PRECISION)
+    score = tl.max(tl.where(select, scores, float("-inf")), axis=2) * scale_log2
+    p = tl.math.exp2(score - lse)
+    dp = tl.dot(do, tl.trans(v, 0, 2, 1), input_precision=PRECISION)
+    dp_row = tl.sum(tl.where(select, dp, 0.0), axis=2)
+    ds = p * (dp_row - delta)
+    return _dot_fp32_lhs(tl.where(select, ds[:, :, None], 0.0), k, dq, PRECISION, SPLIT)
+
+
+@triton.jit
+def _dq_slots(q, do, lse, delta, pos, rows_ok, head, head_ok, first_real, last_real, K_B, V_B, SLOTS_B,
+              stride_ks, stride_vs, kv_len, span, layer_weight, scale_log2, NUM_HEADS: tl.constexpr,
+              HEADS: tl.constexpr, W: tl.constexpr, LAYER_DEN: tl.constexpr, BM: tl.constexpr, D: tl.constexpr,
+              HAS_SLOTS: tl.constexpr, WIDE: tl.constexpr, SAME_KV_STRIDE: tl.constexpr, ONE_TILE: tl.constexpr,
+              PRECISION: tl.constexpr, SPLIT: tl.constexpr):
+    """dQ [HEADS, BM, D] (unscaled) summed over the w slots; tiles as in :func:`_forward_slots`."""
+    dq = tl.zeros([HEADS, BM, D], dtype=tl.float32)
+    start, window = _start_and_window(pos, layer_weight, W, LAYER_DEN)
+    start_first, window_first = _start_and_window(first_real, layer_weight, W, LAYER_DEN)
+    start_last, window_last = _start_and_window(last_real, layer_weight, W, LAYER_DEN)
+    base, base_first, base_last = start, start_first, start_last
+    for j in range(W):
+        next_base = _slot_base(start, window, j + 1, W)
+        key = _head_key(base[None, :], next_base[None, :], head[:, None], NUM_HEADS)
+        ok = rows_ok & (key <= pos[None, :])
+        if ONE_TILE:
+            next_first = _slot_base(start_first, window_first, j + 1, W)
+            next_last = _slot_base(start_last, window_last, j + 1, W)
+            lo = _head_key(base_first, next_first, head, NUM_HEADS)
+            hi = tl.where(head_ok, _head_key(base_last, next_last, head, NUM_HEADS), -1)
+            dq = _dq_chunk(q, do, dq, lse, delta, key, ok, lo, hi, K_B, V_B, SLOTS_B, stride_ks, stride_vs,
+                           kv_len, span, scale_log2, BM, D, HAS_SLOTS, WIDE, SAME_KV_STRIDE, PRECISION, SPLIT)
+            base_first, base_last = next_first, next_last
+        else:
+            pending = tl.where(ok, key, _BIG)
+            lo = tl.min(pending, axis=1)
+            hi = tl.max(tl.where(ok, key, -1), axis=1)
+            while tl.min(lo, axis=0) < _BIG:
+                dq = _dq_chunk(q, do, dq, lse, delta, key, ok, lo, hi, K_B, V_B, SLOTS_B, stride_ks, stride_vs,
+                               kv_len, span, scale_log2, BM, D, HAS_SLOTS, WIDE, SAME_KV_STRIDE, PRECISION, SPLIT)
+                lo = tl.min(tl.where(pending >= lo[:, None] + BM, pending, _BIG), axis=1)
+        base = next_base
+    return dq
+
+
+@triton.jit
+def _esa_backward_dq_kernel(
+    Q, K, V, O, DO, DQ, LSE, DELTA, SORTED_POS, ORDER, KEY_SLOTS,
+    stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+    stride_ob, stride_oh, stride_os, stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
+    stride_pos_b, stride_slots_b,
+    q_len, kv_len, span, first_pos, layer_weight, scale_log2, sm_scale,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEADS: tl.constexpr, W: tl.constexpr,
+    LAYER_DEN: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, HAS_POSITIONS: tl.constexpr,
+    HAS_SLOTS: tl.constexpr, WIDE: tl.constexpr, SAME_KV_STRIDE: tl.constexpr, STEP_ONE: tl.constexpr,
+    PRECISION: tl.constexpr, SPLIT: tl.constexpr,
+):
+    """dQ [B, H, S_q, D] and DELTA [B, H, S_q] for BM position-ordered queries x HEADS heads."""
+    batch, kv_head, head, head_ok = _program_heads(tl.program_id(1), NUM_HEADS, GROUP, HEADS)
+    r = tl.program_id(0) * BM + tl.arange(0, BM)
+    row, pos, real = _query_rows(r, batch, q_len, span, first_pos, SORTED_POS, ORDER, stride_pos_b, HAS_POSITIONS)
+    dims = tl.arange(0, D)
+    head64, row64, batch64 = head.to(tl.int64), row.to(tl.int64), batch.to(tl.int64)
+    rows_ok = head_ok[:, None] & real[None, :]
+    at_head, at_row, at_dim = head64[:, None, None], row64[None, :, None], dims[None, None, :]
+    q = tl.load(Q + batch64 * stride_qb + at_head * stride_qh + at_row * stride_qs + at_dim,
+                mask=rows_ok[:, :, None], other=0.0)
+    do = tl.load(DO + batch64 * stride_dob + at_head * stride_doh + at_row * stride_dos + at_dim,
+                 mask=rows_ok[:, :, None], other=0.0)
+    o = tl.load(O + batch64 * stride_ob + at_head * stride_oh + at_row * stride_os + at_dim,
+                mask=rows_ok[:, :, None], other=0.0)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=2)
+    stat = (batch64 * NUM_HEADS + head64[:, None]) * q_len + row64[None, :]
+    store = head_ok[:, None] & (r < q_len)[None, :]
+    tl.store(DELTA + stat, delta, mask=store)
+    lse = tl.load(LSE + stat, mask=rows_ok, other=float("inf"))
+    K_B = K + batch64 * stride_kb + kv_head.to(tl.int64) * stride_kh
+    V_B = V + batch64 * stride_vb + kv_head.to(tl.int64) * stride_vh
+    SLOTS_B = KEY_SLOTS + batch64 * stride_slots_b
+
+    first_real, last_real, consecutive = _position_span(pos, real, first_pos + tl.program_id(0) * BM, BM,
+                                                        HAS_POSITIONS)
+    one_tile = False
+    if STEP_ONE:
+        one_tile = consecutive
+    if one_tile:
+        dq = _dq_slots(q, do, lse, delta, pos, rows_ok, head, head_ok, first_real, last_real, K_B, V_B, SLOTS_B,
+                       stride_ks, stride_vs, kv_len, span, layer_weight, scale_log2, NUM_HEADS, HEADS, W, LAYER_DEN,
+                       BM, D, HAS_SLOTS, WIDE, SAME_KV_STRIDE, True, PRECISION, SPLIT)
+    else:
+        dq = _dq_slots(q, do, lse, delta, pos, rows_ok, head, head_ok, first_real, last_real, K_B, V_B, SLOTS_B,
+                       stride_ks, stride_vs, kv_len, span, layer_weight, scale_log2, NUM_HEADS, HEADS, W, LAYER_DEN,
+                       BM, D, HAS_SLOTS, WIDE, SAME_KV_STRIDE, False, PRECISION, SPLIT)
+
+    tl.store(DQ + batch64 * stride_dqb + at_head * stride_dqh + at_row * stride_dqs + at_dim,
+             (dq * sm_scale).to(DQ.dtype.element_ty), mask=store[:, :, None])
+
+
+@triton.jit
+def _row_keys(r, j, head, batch, q_len, span, first_pos, layer_weight, SORTED_POS, stride_pos_b,
+              NUM_HEADS: tl.constexpr, W: tl.constexpr, LAYER_DEN: tl.constexpr, HAS_POSITIONS: tl.constexpr):
+    """Slot-j key of position-ordered rows r for one head, made monotone in r over padding: -1 below, _BIG above."""
+    if HAS_POSITIONS:
+        raw = tl.load(SORTED_POS + batch.to(tl.int64) * stride_pos_b + r, mask=r < q_len, other=-1)
+    else:
+        raw = first_pos + r
+    real = (r < q_len) & (raw >= 0) & (raw < span)
+    start, window = _start_and_window(tl.where(real, raw, 0), layer_weight, W, LAYER_DEN)
+    key = _head_key(_slot_base(start, window, j, W), _slot_base(start, window, j + 1, W), head, NUM_HEADS)
+    return tl.where(real, key, tl.where(raw < 0, -1, _BIG))
+
+
+@triton.jit
+def _first_row_with_key_at_least(target, j, head, batch, q_len, span, first_pos, layer_weight, search_steps,
+                                 SORTED_POS, stride_pos_b, NUM_HEADS: tl.constexpr, W: tl.constexpr,
+                                 LAYER_DEN: tl.constexpr, HAS_POSITIONS: tl.constexpr):
+    """Binary search for each element of (target, j, head) (broadcast): the first position-ordered row whose
+    slot-j key for that head is >= target (q_len if none)."""
+    lo = tl.zeros_like(target + j + head)
+    hi = lo + q_len
+    step = 0
+    while step < search_steps:  # a while loop: the interpreter cannot range() over a runtime int
+        mid = (lo + hi) // 2
+        searching = lo < hi
+        key = _row_keys(mid, j, head, batch, q_len, span, first_pos, layer_weight, SORTED_POS, stride_pos_b,
+                        NUM_HEADS, W, LAYER_DEN, HAS_POSITIONS)
+        below = key < target
+        lo = tl.where(searching & below, mid + 1, lo)
+        hi = tl.where(searching & ~below, mid, hi)
+        step += 1
+    return lo
+
+
+@triton.jit
+def _esa_backward_dkdv_kernel(
+    Q, K, V, DO, DK, DV, LSE, DELTA, SORTED_POS, ORDER, KEY_SLOTS,
+    stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+    stride_dob, stride_doh, stride_dos, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs,
+    stride_pos_b, stride_slots_b,
+    q_len, kv_len, span, first_pos, layer_weight, scale_log2, sm_scale, search_steps,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, W: tl.constexpr, LAYER_DEN: tl.constexpr, D: tl.constexpr,
+    W_POW2: tl.constexpr, GROUP_POW2: tl.constexpr, BN: tl.constexpr, BQ: tl.constexpr, HAS_POSITIONS: tl.constexpr,
+    HAS_SLOTS: tl.constexpr, WIDE: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,
+):
+    """dK, dV of BN key positions of one KV head, summed over the group's heads and slots, in fp32."""
+    kv_heads = NUM_HEADS // GROUP
+    batch = tl.program_id(1) // kv_heads
+    kv_head = tl.program_id(1) % kv_heads
+    batch64 = batch.to(tl.int64)
+    first_key = tl.program_id(0) * BN
+    cols = tl.arange(0, BN)
+    dims = tl.arange(0, D)
+    kpos = first_key + cols
+    slot, present = _key_slots(kpos, kpos < span, KEY_SLOTS + batch64 * stride_slots_b, kv_len, span, HAS_SLOTS)
+    slot = slot.to(tl.int64)
+    kv_offset = batch64 * stride_kb + kv_head.to(tl.int64) * stride_kh
+    k = tl.load(K + kv_offset + slot[:, None] * stride_ks + dims[None, :], mask=present[:, None], other=0.0)
+    v = tl.load(V + batch64 * stride_vb + kv_head.to(tl.int64) * stride_vh + slot[:, None] * stride_vs
+                + dims[None, :], mask=present[:, None], other=0.0)
+    dk = tl.zeros([BN, D], dtype=tl.float32)
+    dv = tl.zeros([BN, D], dtype=tl.float32)
+    slots = tl.arange(0, W_POW2)
+    for g in range(GROUP):
+        head = kv_head * GROUP + g
+        head64 = head.to(tl.int64)
+        Q_H = Q + batch64 * stride_qb + head64 * stride_qh
+        DO_H = DO + batch64 * stride_dob + head64 * stride_doh
+        STAT_H = (batch64 * NUM_HEADS + head64) * q_len
+        # per slot, the rows whose key lies in this block: [first_rows[j], end_rows[j]) (binary searches)
+        first_rows = _first_row_with_key_at_least(first_key, slots, head, batch, q_len, span, first_pos,
+                                                  layer_weight, search_steps, SORTED_POS, stride_pos_b, NUM_HEADS,
+                                                  W, LAYER_DEN, HAS_POSITIONS)
+        end_rows = _first_row_with_key_at_least(first_key + BN, slots, head, batch, q_len, span, first_pos,
+                                                layer_weight, search_steps, SORTED_POS, stride_pos_b, NUM_HEADS, W,
+                                                LAYER_DEN, HAS_POSITIONS)
+        for j in range(W):
+            at_j = tl.full([1], j, tl.int32)
+            r0 = tl.max(tl.gather(first_rows, at_j, 0), axis=0)
+            r_end = tl.max(tl.gather(end_rows, at_j, 0), axis=0)
+            while r0 < r_end:  # these rows' slot-j keys all lie in this block
+                r = r0 + tl.arange(0, BQ)
+                row, pos, real = _query_rows(r, batch, q_len, span, first_pos, SORTED_POS, ORDER, stride_pos_b,
+                                             HAS_POSITIONS)
+                start, window = _start_and_window(pos, layer_weight, W, LAYER_DEN)
+                key = _head_key(_slot_base(start, window, j, W), _slot_base(start, window, j + 1, W), head,
+                                NUM_HEADS)
+                ok = real & (r < r_end) & (key <= pos)
+                select = ((key[None, :] - first_key) == cols[:, None]) & ok[None, :] & present[:, None]
+                if WIDE:
+                    row = row.to(tl.int64)
+                q = tl.load(Q_H + row[:, None] * stride_qs + dims[None, :], mask=ok[:, None], other=0.0)
+                do = tl.load(DO_H + row[:, None] * stride_dos + dims[None, :], mask=ok[:, None], other=0.0)
+                lse = tl.load(LSE + STAT_H + row, mask=ok, other=float("inf"))
+                delta = tl.load(DELTA + STAT_H + row, mask=ok, other=0.0)
+                scores = tl.dot(k, tl.trans(q), input_precision=PRECISION)  # [BN, BQ]
+                p = tl.where(select, tl.math.exp2(scores * scale_log2 - lse[None, :]), 0.0)
+                dv = _dot_fp32_lhs(p, do, dv, PRECISION, SPLIT)
+                dp = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+                ds = p * (dp - delta[None, :])
+                dk = _dot_fp32_lhs(ds, q, dk, PRECISION, SPLIT)
+                r0 += BQ
+
+    tl.store(DK + batch64 * stride_dkb + kv_head.to(tl.int64) * stride_dkh + slot[:, None] * stride_dks
+             + dims[None, :], (dk * sm_scale).to(DK.dtype.element_ty), mask=present[:, None])
+    tl.store(DV + batch64 * stride_dvb + kv_head.to(tl.int64) * stride_dvh + slot[:, None] * stride_dvs
+             + dims[None, :], dv.to(DV.dtype.element_ty), mask=present[:, None])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Launchers and autograd.
+
+
+@dataclass(frozen=True)
+class _Launch:
+    """Everything the kernels need besides q, k, v: sizes, the index rule's constants and position tensors."""
+
+    num_heads: int
+    group: int
+    attn_length: int
+    layer_den: int
+    layer_weight: int
+    scale: float
+    q_len: int
+    kv_len: int
+    span: int
+    first_pos: int
+    sorted_pos: Tensor | None  # int32 [B or 1, S_q], stable sort of q_positions
+    order: Tensor | None  # int32 [B or 1, S_q], the rows in that order
+    key_slots: Tensor | None  # int32 [B or 1, span]
+    step_one: bool  # keys step by <= 1 per position (H even or 1): one tile per slot for consecutive rows
+    precision: str  # tl.dot input precision: "ieee" for fp32 inputs
+    split: bool  # 16-bit inputs: fp32 left operands of dots enter as two 16-bit parts
+
+    def position_args(self, device: torch.device) -> tuple:
+        """(SORTED_POS, ORDER, KEY_SLOTS, stride_pos_b, stride_slots_b); dummies where absent."""
+        dummy = torch.empty(1, dtype=torch.int32, device=device)
+        sorted_pos = dummy if self.sorted_pos is None else self.sorted_pos
+        order = dummy if self.order is None else self.order
+        slots = dummy if self.key_slots is None else self.key_slots
+        stride_pos = 0 if self.sorted_pos is None or self.sorted_pos.shape[0] == 1 else self.sorted_pos.stride(0)
+        stride_slots = 0 if self.key_slots is None or self.key_slots.shape[0] == 1 else self.key_slots.stride(0)
+        return sorted_pos, order, slots, stride_pos, stride_slots
+
+    def rule_args(self) -> tuple:
+        return self.q_len, self.kv_len, self.span, self.first_pos, self.layer_weight, self.scale * _LOG2E
+
+    def heads_per_program(self) -> int:
+        chosen = KERNEL_CONFIG["heads_per_program"] or self.group
+        return triton.next_power_of_2(min(chosen, self.group, 8))  # one warp per head, at most 8 warps
+
+
+def _strides(t: Tensor) -> tuple[int, int, int]:
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _wide_rows(*tensors: Tensor) -> bool:
+    """Whether a row's element offset inside one (batch, head) of these [B, H, S, d] tensors may overflow int32."""
+    return any((t.shape[2] - 1) * t.stride(2) + t.shape[3] >= 2**31 for t in tensors)
+
+
+def _row_offset_kinds(k: Tensor, v: Tensor) -> dict:
+    """WIDE: a key row's element offset inside one (batch, KV head) may not fit int32; SAME_KV_STRIDE: K and V rows
+    share offsets."""
+    return dict(WIDE=_wide_rows(k, v), SAME_KV_STRIDE=k.stride(2) == v.stride(2))
+
+
+def _forward(q: Tensor, k: Tensor, v: Tensor, launch: _Launch) -> tuple[Tensor, Tensor]:
+    batch, heads, q_len, dim = q.shape
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(batch, heads, q_len, dtype=torch.float32, device=q.device)
+    per_program = launch.heads_per_program()
+    programs = batch * (heads // launch.group) * triton.cdiv(launch.group, per_program)
+    common = dict(NUM_HEADS=heads, GROUP=launch.group, HEADS=per_program, W=launch.attn_length,
+                  LAYER_DEN=launch.layer_den, D=dim, HAS_POSITIONS=launch.sorted_pos is not None,
+                  HAS_SLOTS=launch.key_slots is not None, **_row_offset_kinds(k, v))
+    sorted_pos, order, slots, stride_pos, stride_slots = launch.position_args(q.device)
+    args = (q, k, v, out, lse, sorted_pos, order, slots, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
+            stride_pos, stride_slots, *launch.rule_args())
+    if q_len <= DECODE_MAX_QUERIES:
+        slots = min(triton.next_power_of_2(launch.attn_length), 64 // per_program)  # [heads, slots, d] tiles
+        _esa_decode_kernel[(q_len, programs)](*args, SLOTS=slots, num_warps=KERNEL_CONFIG["decode_warps"], **common)
+    else:
+        _esa_forward_kernel[(triton.cdiv(q_len, BLOCK_QUERIES), programs)](
+            *args, BM=BLOCK_QUERIES, STEP_ONE=launch.step_one, LAZY_RESCALE=KERNEL_CONFIG["lazy_rescale"],
+            PRECISION=launch.precision, SPLIT=launch.split and KERNEL_CONFIG["forward_split"],
+            num_warps=KERNEL_CONFIG["forward_warps"] or per_program,
+            num_stages=KERNEL_CONFIG["forward_stages"], **common)
+    return out, lse
+
+
+def _backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, launch: _Launch,
+              need_dkdv: bool) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    batch, heads, q_len, dim = q.shape
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    delta = torch.empty_like(lse)
+    sorted_pos, order, slots, stride_pos, stride_slots = launch.position_args(q.device)
+    per_program = launch.heads_per_program()
+    kv_heads = heads // launch.group
+    programs = batch * kv_heads * triton.cdiv(launch.group, per_program)
+    common = dict(NUM_HEADS=heads, GROUP=launch.group, W=launch.attn_length, LAYER_DEN=launch.layer_den, D=dim,
+                  HAS_POSITIONS=launch.sorted_pos is not None, HAS_SLOTS=launch.key_slots is not None,
+                  PRECISION=launch.precision, SPLIT=launch.split)
+    offsets = _row_offset_kinds(k, v)
+    _esa_backward_dq_kernel[(triton.cdiv(q_len, BLOCK_QUERIES), programs)](
+        q, k, v, out, do, dq, lse, delta, sorted_pos, order, slots, *_strides(q), *_strides(k), *_strides(v),
+        *_strides(out), *_strides(do), *_strides(dq), stride_pos, stride_slots, *launch.rule_args(), launch.scale,
+        HEADS=per_program, BM=BLOCK_QUERIES, STEP_ONE=launch.step_one,
+        num_warps=KERNEL_CONFIG["dq_warps"] or per_program, **offsets, **common)
+    if not need_dkdv:
+        return dq, None, None
+    # without key_slots every slot is some key position's and gets written; with them, unused slots stay 0
+    make = torch.empty if launch.key_slots is None else torch.zeros
+    dk = make(k.shape, dtype=k.dtype, device=k.device)
+    dv = make(v.shape, dtype=v.dtype, device=v.device)
+    _esa_backward_dkdv_kernel[(triton.cdiv(launch.span, BLOCK_KEYS), batch * kv_heads)](
+        q, k, v, do, dk, dv, lse, delta, sorted_pos, order, slots, *_strides(q), *_strides(k), *_strides(v),
+        *_strides(do), *_strides(dk), *_strides(dv), stride_pos, stride_slots, *launch.rule_args(), launch.scale,
+        max(q_len, 1).bit_length(), WIDE=_wide_rows(q, do), W_POW2=triton.next_power_of_2(launch.attn_length),
+        GROUP_POW2=triton.next_power_of_2(launch.group), BN=BLOCK_KEYS, BQ=KERNEL_CONFIG["dkdv_queries"],
+        num_warps=KERNEL_CONFIG["dkdv_warps"], **common)
+    return dq, dk, dv
+
+
+class _EsaAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, launch: _Launch) -> Tensor:
+        out, lse = _forward(q, k, v, launch)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.launch = launch
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        if grad_out.stride(-1) != 1:
+            grad_out = grad_out.contiguous()
+        need_dkdv = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+        dq, dk, dv = _backward(grad_out, q, k, v, out, lse, ctx.launch, need_dkdv)
+        return dq, dk, dv, None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Public API.
+
+
+def _check_position_tensor(name: str, t: Tensor | None, batch: int, length: int | None, device) -> None:
+    if t is None:
+        return
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {t.dtype}")
+    if t.dim() != 2 or t.shape[0] not in (1, batch) or (length is not None and t.shape[1] != length):
+        want = f"[{batch} or 1, {length if length is not None else 'span'}]"
+        raise ValueError(f"{name} must have shape {want}, got {list(t.shape)}")
+    if t.shape[1] == 0:
+        raise ValueError(f"{name} must not be empty")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, q is on {device}")
+
+
+def _check_inputs(q: Tensor, k: Tensor, v: Tensor, pattern: ESA, dtypes: tuple = _SUPPORTED_DTYPES) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D [B, heads, seq, head_dim], got shape {list(t.shape)}")
+        if t.dtype not in dtypes:
+            raise TypeError(f"{name} must be one of {', '.join(str(d)[6:] for d in dtypes)}, got {t.dtype}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dimension (stride(-1) == 1)")
+    if not isinstance(pattern, ESA):
+        raise TypeError(f"pattern must be a flexsparse.masks.ESA, got {type(pattern).__name__}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {list(k.shape)} and {list(v.shape)}")
+    batch, heads, _, dim = q.shape
+    if k.shape[0] != batch or k.shape[3] != dim:
+        raise ValueError(f"k/v [B, H_kv, S_kv, d] must match q's batch {batch} and head_dim {dim}, "
+                         f"got {list(k.shape)}")
+    if dim < 16 or dim > 256 or dim & (dim - 1):
+        raise ValueError(f"head_dim must be a power of two in [16, 256], got {dim}")
+    if k.shape[1] == 0 or heads % k.shape[1]:
+        raise ValueError(f"q's heads ({heads}) must be a multiple of k/v's heads ({k.shape[1]})")
+    if k.shape[2] == 0:
+        raise ValueError("k and v must hold at least one key (S_kv >= 1)")
+    if pattern.num_heads != heads:
+        raise ValueError(f"pattern was built for num_heads={pattern.num_heads}, q has {heads} heads")
+
+
+def esa_attention(q: Tensor, k: Tensor, v: Tensor, pattern: ESA, scale: float | None = None, *,
+                  q_positions: Tensor | None = None, key_slots: Tensor | None = None,
+                  deterministic: bool = False) -> Tensor:
+    """ESA attention ``[B, H, S_q, d]`` (q's dtype), differentiable in q, k and v.
+
+    q ``[B, H, S_q, d]``, k/v ``[B, H_kv, S_kv, d]`` (H a multiple of H_kv; any strides with a contiguous last
+    dim), d a power of two in [16, 256], float32/bfloat16/float16. ``pattern.num_heads`` must be H.
+    ``q_positions`` int32 ``[B or 1, S_q]``: token positions of the query rows (default ``S_kv - S_q + i``), -1
+    for padding (output row 0, no gradient). ``key_slots`` int32 ``[B or 1, span]``: key position p of batch b is
+    ``k[b, :, key_slots[b, p]]`` (default: slot p); slots outside ``[0, S_kv)`` mark absent keys. A query at
+    position p attends, per head, the ESA indices of p that are <= p and present. Query positions outside
+    ``[0, span)`` count as padding. For gradients, distinct positions must map to distinct slots.
+    ``deterministic``: accepted for the executor interface; every path is deterministic (no atomics).
+    """
+    _check_inputs(q, k, v, pattern)
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    batch, heads, q_len, dim = q.shape
+    kv_len = k.shape[2]
+    scale = dim**-0.5 if scale is None else as_float("scale", scale, positive=True)
+    _check_position_tensor("q_positions", q_positions, batch, q_len, q.device)
+    _check_position_tensor("key_slots", key_slots, batch, None, q.device)
+    if q_positions is None and q_len > kv_len:
+        raise ValueError(f"without q_positions, S_q ({q_len}) must not exceed S_kv ({kv_len})")
+    span = kv_len if key_slots is None else key_slots.shape[1]
+    w, layers = pattern.attn_length, pattern.num_layers
+    if 2 * (max(w, span) + 1) * max(w, heads, layers) >= 2**31:
+        raise ValueError(f"key positions ({span}) x max(attn_length, num_heads, num_layers) is too large for "
+                         "the kernels' int32 index arithmetic")
+    if q.device.type != "cuda" and not triton.knobs.runtime.interpret:
+        raise ValueError(f"esa_attention needs CUDA tensors (q is on {q.device}); on CPU use "
+                         "esa_attention_reference, or set TRITON_INTERPRET=1 before importing triton")
+    if q_len == 0:
+        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    sorted_pos = order = None
+    if q_positions is not None:
+        sorted_pos, sort_order = torch.sort(q_positions, dim=1, stable=True)
+        order = sort_order.to(torch.int32)
+    launch = _Launch(
+        num_heads=heads, group=heads // k.shape[1], attn_length=w, layer_den=max(layers - 1, 1),
+        layer_weight=max(layers - 1, 1) - pattern.layer_idx, scale=scale, q_len=q_len, kv_len=kv_len, span=span,
+        first_pos=kv_len - q_len, sorted_pos=sorted_pos, order=order,
+        key_slots=None if key_slots is None else key_slots.contiguous(),
+        step_one=heads % 2 == 0 or heads == 1,
+        precision="ieee" if q.dtype == torch.float32 else "tf32", split=q.dtype != torch.float32,
+    )
+    return _EsaAttention.apply(q, k, v, launch)
+
+
+def esa_attention_reference(q: Tensor, k: Tensor, v: Tensor, pattern: ESA, scale: float | None = None, *,
+                            q_positions: Tensor | None = None, key_slots: Tensor | None = None,
+                            chunk: int = 1024) -> Tensor:
+    """The same function as :func:`esa_attention` in plain PyTorch (any device, differentiable).
+
+    Gathers each query's w keys, ``chunk`` queries at a time: O(B H S_q w d) time, O(H chunk w d) memory. Computes
+    in q's dtype (float64 accepted here: pass float64 inputs for a high-precision reference).
+    """
+    _check_inputs(q, k, v, pattern, dtypes=_SUPPORTED_DTYPES + (torch.float64,))
+    batch, heads, q_len, dim = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    scale = dim**-0.5 if scale is None else as_float("scale", scale, positive=True)
+    chunk = as_int("chunk", chunk, minimum=1)
+    _check_position_tensor("q_positions", q_positions, batch, q_len, q.device)
+    _check_position_tensor("key_slots", key_slots, batch, None, q.device)
+    span = kv_len if key_slots is None else key_slots.shape[1]
+    if q_positions is None:
+        q_positions = (torch.arange(q_len, device=q.device) + kv_len - q_len)[None]
+    positions = q_positions.long().expand(batch, q_len)
+    kv_head = torch.arange(heads, device=q.device) // (heads // kv_heads)
+    out = []
+    for b in range(batch):
+        rows = []
+        for first in range(0, q_len, chunk):
+            pos = positions[b, first:first + chunk]
+            real = (pos >= 0) & (pos < span)
+            index = pattern.indices(torch.where(real, pos, 0))  # [H, n, w]
+            ok = real[None, :, None] & (index <= pos[None, :, None])
+            if key_slots is None:
+                slot = index
+            else:
+                slot = key_slots[min(b, key_slots.shape[0] - 1)].long()[index.clamp(max=span - 1)]
+            ok &= (slot >= 0) & (slot < kv_len)
+            slot = torch.where(ok, slot, 0)
+            keys = k[b][kv_head[:, None, None], slot]  # [H, n, w, d]
+            values = v[b][kv_head[:, None, None], slot]
+            scores = torch.einsum("hnd,hnwd->hnw", q[b, :, first:first + chunk], keys) * scale
+            weights = torch.softmax(scores.masked_fill(~ok, float("-inf")), dim=-1).nan_to_num(0.0)
+            rows.append(torch.einsum("hnw,hnwd->hnd", weights, values))
+        out.append(torch.cat(rows, dim=1))
+    return torch.stack(out)

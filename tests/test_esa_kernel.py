@@ -1,0 +1,311 @@
+"""The ESA Triton kernels (flexsparse.kernels.esa) against float64 references, forward and backward.
+
+Kernel tests (``test_kernel_*``) run on CUDA where there is one; on CPU they run under the Triton interpreter in a
+child pytest process (``test_kernel_cases_under_triton_interpreter``), since TRITON_INTERPRET must be set before
+triton is first imported and another test module may already have imported it. GPU-only tests (bf16 at S up to
+4096, the accuracy criterion against the dense bf16 path, determinism) are marked ``gpu``.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("triton")
+
+from flexsparse.kernels.esa import esa_attention, esa_attention_reference  # noqa: E402
+from flexsparse.masks import ESA, Geometry  # noqa: E402
+from flexsparse.reference import attention as dense_reference  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cuda" if CUDA else "cpu"
+kernel_test = pytest.mark.skipif(not (CUDA or INTERPRETED), reason="on CPU: run by the interpreter child process")
+FP32_OUT_ATOL, FP32_GRAD_ATOL = 2e-5, 5e-5  # fp32 kernel vs float64, inputs ~N(0, 1), d <= 32
+
+
+def qkv(batch, heads, kv_heads, q_len, kv_len, dim, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    make = lambda h, n: torch.randn(batch, h, n, dim, generator=gen).to(DEVICE, dtype)
+    return make(heads, q_len), make(kv_heads, kv_len), make(kv_heads, kv_len)
+
+
+def with_grads(fn, q, k, v, grad_out):
+    """(out, dq, dk, dv) of fn at fresh leaves."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = fn(q, k, v)
+    out.backward(grad_out)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def float64(fn, q, k, v, grad_out):
+    return with_grads(fn, q.double(), k.double(), v.double(), grad_out.double())
+
+
+def assert_close_all(got, expected, out_atol, grad_atol, rows=slice(None)):
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, expected):
+        a = a[:, :, rows] if name in ("out", "dq") else a
+        b = b[:, :, rows] if name in ("out", "dq") else b
+        torch.testing.assert_close(a.double(), b.double(), atol=out_atol if name == "out" else grad_atol, rtol=0,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The structure the kernels rely on, and the reference (no kernel).
+
+
+@settings(max_examples=60)
+@given(layers=st.integers(1, 12), data=st.data(), heads=st.integers(1, 12), w=st.integers(1, 80),
+       start=st.integers(0, 5000))
+def test_slot_keys_are_non_decreasing_and_step_by_one_when_heads_minus_one_is_odd(layers, data, heads, w, start):
+    """b_j(p) <= b_j(p + 1) always; b_j(p + 1) - b_j(p) <= 1 when H - 1 is odd or H = 1 (no rounding ties in the
+    head mix), <= 2 otherwise. The forward and dQ kernels take one key tile per slot only in the first case."""
+    layer = data.draw(st.integers(0, layers - 1))
+    keys = ESA(layer, layers, w, heads).indices(torch.arange(start, start + 300))  # [H, P, w]
+    steps = keys.diff(dim=1)
+    assert steps.min() >= 0
+    assert steps.max() <= (1 if heads == 1 or heads % 2 == 0 else 2)
+
+
+def test_even_heads_minus_one_can_step_by_two():
+    """Why odd head counts take the general tile loop: head 1 of 3 mixes (base_j + base_{j+1} - 1) / 2, a tie
+    at position 5 ((4 + 5) / 2 -> 4) and at 6 ((5 + 6) / 2 -> 6): slot 2 steps from key 4 to key 6."""
+    keys = ESA(1, 2, 3, 3).indices(torch.tensor([5, 6]))
+    assert keys[1].tolist() == [[0, 2, 4], [0, 3, 6]]
+
+
+@pytest.mark.parametrize("chunk", [7, 1024])
+def test_gather_reference_matches_dense_reference(chunk):
+    pattern = ESA(2, 4, 8, 4)
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 4, 30, 16, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, 70, 16, generator=gen, dtype=torch.float64) for _ in range(2))
+    expected = dense_reference(q, k, v, pattern.dense(Geometry(4, 30, 70)))
+    torch.testing.assert_close(esa_attention_reference(q, k, v, pattern, chunk=chunk), expected, atol=1e-12,
+                               rtol=0)
+
+
+@pytest.mark.parametrize(
+    "change,error,match",
+    [
+        (dict(q=torch.zeros(1, 4, 8, 16, dtype=torch.float64)), TypeError, "q must be one of float32"),
+        (dict(q=torch.zeros(4, 8, 16)), ValueError, "q must be 4-D"),
+        (dict(q=torch.zeros(1, 4, 16, 8).transpose(2, 3)), ValueError, "contiguous last dimension"),
+        (dict(k=torch.zeros(1, 3, 8, 16), v=torch.zeros(1, 3, 8, 16)), ValueError, "multiple of k/v's heads"),
+        (dict(v=torch.zeros(1, 2, 9, 16)), ValueError, "same shape"),
+        (dict(k=torch.zeros(1, 2, 8, 16, dtype=torch.float16)), TypeError, "share a dtype"),
+        (dict(q=torch.zeros(1, 4, 8, 24), k=torch.zeros(1, 2, 8, 24), v=torch.zeros(1, 2, 8, 24)), ValueError,
+         "power of two"),
+        (dict(pattern=ESA(0, 2, 4, 8)), ValueError, "num_heads=8"),
+        (dict(pattern="esa"), TypeError, "flexsparse.masks.ESA"),
+        (dict(scale=-1.0), ValueError, "scale"),
+        (dict(q_positions=torch.zeros(1, 8)), TypeError, "q_positions must be int32"),
+        (dict(q_positions=torch.zeros(1, 7, dtype=torch.int32)), ValueError, r"q_positions must have shape"),
+        (dict(key_slots=torch.zeros(3, 8, dtype=torch.int32)), ValueError, r"key_slots must have shape"),
+        (dict(key_slots=[0, 1]), TypeError, "key_slots must be a torch.Tensor"),
+        (dict(deterministic=1), TypeError, "deterministic must be a bool"),
+        (dict(q=torch.zeros(1, 4, 9, 16)), ValueError, "S_q .9. must not exceed S_kv"),
+    ],
+)
+def test_bad_arguments(change, error, match):
+    args = dict(q=torch.zeros(1, 4, 8, 16), k=torch.zeros(1, 2, 8, 16), v=torch.zeros(1, 2, 8, 16),
+                pattern=ESA(0, 2, 4, 4))
+    args.update(change)
+    with pytest.raises(error, match=match):
+        esa_attention(**args)
+
+
+@pytest.mark.skipif(CUDA or INTERPRETED, reason="CPU without the interpreter only")
+def test_cpu_tensors_need_the_interpreter():
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        esa_attention(torch.zeros(1, 2, 8, 16), torch.zeros(1, 2, 8, 16), torch.zeros(1, 2, 8, 16),
+                      ESA(0, 2, 4, 2))
+
+
+@pytest.mark.skipif(CUDA or INTERPRETED, reason="the parent process on CPU starts the interpreter child")
+def test_kernel_cases_under_triton_interpreter():
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(root), os.environ.get(
+        "PYTHONPATH", "")])}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", __file__, "-q", "-x", "-k", "test_kernel_", "-p", "no:cacheprovider",
+         "-W", "ignore::RuntimeWarning"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout.split("passed")[0][-20:], proc.stdout[-2000:]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Kernels at tiny sizes (interpreter on CPU, compiled on CUDA), fp32, against the float64 dense reference.
+
+CASES = {  # batch, heads, kv_heads, q_len, kv_len, dim, attn_length, layers, layer
+    "prefill mha": (1, 2, 2, 33, 33, 16, 8, 4, 1),
+    "prefill gqa2 batch2 d32": (2, 4, 2, 24, 24, 32, 4, 4, 2),
+    "prefill gqa4 last layer w6": (1, 4, 1, 36, 36, 16, 6, 3, 2),
+    "chunked prefill": (1, 4, 2, 18, 40, 16, 8, 4, 3),
+    "decode": (2, 4, 2, 1, 45, 16, 8, 4, 2),
+    "small chunk": (1, 4, 4, 5, 45, 16, 8, 4, 1),
+    "odd heads (general tile loop)": (1, 3, 1, 33, 33, 16, 8, 4, 1),
+    "group of 5, single layer": (1, 5, 1, 24, 30, 16, 4, 1, 0),
+}
+
+
+@kernel_test
+@pytest.mark.parametrize("case", CASES)
+def test_kernel_forward_and_backward_match_dense_reference(case):
+    batch, heads, kv_heads, q_len, kv_len, dim, w, layers, layer = CASES[case]
+    pattern = ESA(layer, layers, w, heads)
+    q, k, v = qkv(batch, heads, kv_heads, q_len, kv_len, dim, seed=q_len)
+    grad_out = torch.randn_like(q)
+    mask = pattern.dense(Geometry(heads, q_len, kv_len, device=DEVICE))
+    expected = float64(lambda a, b, c: dense_reference(a, b, c, mask), q, k, v, grad_out)
+    got = with_grads(lambda a, b, c: esa_attention(a, b, c, pattern), q, k, v, grad_out)
+    assert_close_all(got, expected, FP32_OUT_ATOL, FP32_GRAD_ATOL)
+
+
+@kernel_test
+def test_kernel_padding_rows_in_any_order_give_zero_rows_and_no_gradient():
+    pattern = ESA(2, 4, 6, 4)
+    q, k, v = qkv(2, 4, 2, 18, 32, 16, seed=3)
+    grad_out = torch.randn_like(q)
+    gen = torch.Generator().manual_seed(5)
+    positions = torch.stack([torch.randperm(32, generator=gen)[:18] for _ in range(2)]).to(torch.int32)
+    positions[0, ::5] = -1
+    positions[1, 3:9] = -1
+    positions[1, 10] = 32  # beyond the keys: padding too
+    positions = positions.to(DEVICE)
+    padding = (positions < 0) | (positions >= 32)
+    call = dict(q_positions=positions)
+    expected = float64(lambda a, b, c: esa_attention_reference(a, b, c, pattern, **call), q, k, v, grad_out)
+    got = with_grads(lambda a, b, c: esa_attention(a, b, c, pattern, **call), q, k, v, grad_out)
+    assert_close_all(got, expected, FP32_OUT_ATOL, FP32_GRAD_ATOL)
+    out, dq = got[0].permute(0, 2, 1, 3), got[1].permute(0, 2, 1, 3)  # [B, S_q, H, d]
+    assert (out[padding] == 0).all() and (dq[padding] == 0).all()
+    # batch 0's real rows agree with the dense reference run on queries placed at their positions
+    real = ~padding[0]
+    placed = torch.zeros(1, 4, 32, 16, dtype=torch.float64, device=DEVICE)
+    placed[0, :, positions[0, real].long()] = q[0, :, real].double()
+    dense = dense_reference(placed, k[:1].double(), v[:1].double(), pattern.dense(Geometry(4, 32, device=DEVICE)))
+    torch.testing.assert_close(got[0][0, :, real].double(), dense[0, :, positions[0, real].long()],
+                               atol=FP32_OUT_ATOL, rtol=0)
+
+
+@kernel_test
+def test_kernel_left_padded_batch_matches_each_sequence_alone():
+    pattern = ESA(3, 4, 4, 4)
+    lengths, span = (26, 11), 26
+    q, k, v = qkv(2, 4, 2, span, span, 16, seed=9)
+    grad_out = torch.randn_like(q)
+    positions = torch.full((2, span), -1, dtype=torch.int32)
+    slots = torch.full((2, span), -1, dtype=torch.int32)
+    for b, n in enumerate(lengths):
+        positions[b, span - n:] = torch.arange(n, dtype=torch.int32)
+        slots[b, :n] = torch.arange(span - n, span, dtype=torch.int32)
+    call = dict(q_positions=positions.to(DEVICE), key_slots=slots.to(DEVICE))
+    batched = with_grads(lambda a, b, c: esa_attention(a, b, c, pattern, **call), q, k, v, grad_out)
+    for b, n in enumerate(lengths):
+        alone = with_grads(lambda a, b_, c: esa_attention(a, b_, c, pattern),
+                           *(t[b:b + 1, :, span - n:] for t in (q, k, v)), grad_out[b:b + 1, :, span - n:])
+        for got, expected in zip(batched, alone):
+            torch.testing.assert_close(got[b:b + 1, :, span - n:], expected, atol=1e-5, rtol=0)
+            assert (got[b, :, :span - n] == 0).all()  # padding rows and padding slots: zero output and gradient
+
+
+@kernel_test
+@settings(max_examples=4)
+@given(heads_per_group=st.sampled_from([1, 2, 3, 4]), kv_heads=st.integers(1, 2), data=st.data())
+def test_kernel_forward_matches_reference_on_random_geometries(heads_per_group, kv_heads, data):
+    heads = heads_per_group * kv_heads
+    layers = data.draw(st.integers(1, 6))
+    pattern = ESA(data.draw(st.integers(0, layers - 1)), layers, data.draw(st.integers(1, 12)), heads)
+    kv_len = data.draw(st.integers(1, 48))
+    q_len = data.draw(st.integers(1, kv_len))
+    q, k, v = qkv(1, heads, kv_heads, q_len, kv_len, 16, seed=kv_len)
+    expected = esa_attention_reference(q.double(), k.double(), v.double(), pattern)
+    torch.testing.assert_close(esa_attention(q, k, v, pattern).double(), expected, atol=FP32_OUT_ATOL, rtol=0)
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype,atol", [
+    (torch.float16, 2e-3),
+    pytest.param(torch.bfloat16, 1.5e-2, marks=pytest.mark.skipif(INTERPRETED, reason="the interpreter's bf16 "
+                                                                  "tl.dot multiplies raw bits (triton 3.6)")),
+])
+def test_kernel_half_precision_forward(dtype, atol):
+    pattern = ESA(1, 4, 8, 4)
+    q, k, v = qkv(1, 4, 2, 40, 40, 32, dtype=dtype, seed=11)
+    out = esa_attention(q, k, v, pattern)
+    assert out.dtype == dtype
+    expected = esa_attention_reference(q.double(), k.double(), v.double(), pattern)
+    torch.testing.assert_close(out.double(), expected, atol=atol, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU: bf16 and fp32 at real sizes, the accuracy criterion, determinism.
+
+GPU_PATTERN = ESA(4, 8, 64, 8)
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seq", [1024, 4096])
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
+def test_gpu_forward_and_backward_against_float64(seq, dtype, tol):
+    """Relative Frobenius error of out, dQ, dK, dV: < 1e-2 for bf16, < 1e-5 for fp32 (8 q / 2 kv heads, d 128)."""
+    q, k, v = qkv(1, 8, 2, seq, seq, 128, dtype=dtype, seed=seq)
+    grad_out = torch.randn_like(q)
+    mask = GPU_PATTERN.dense(Geometry(8, seq, device="cuda"))
+    expected = float64(lambda a, b, c: dense_reference(a, b, c, mask), q, k, v, grad_out)
+    got = with_grads(lambda a, b, c: esa_attention(a, b, c, GPU_PATTERN), q, k, v, grad_out)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, expected):
+        assert torch.isfinite(a).all(), name
+        assert _rel(a, b) < tol, (name, _rel(a, b))
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_gradients_within_twice_the_dense_bf16_error():
+    """Max |error| vs float64 of each gradient <= 2x that of dense bf16 SDPA with the ESA mask (32 q / 8 kv heads,
+    d 128, S 1024: the shape where the authors' kernel is 18x worse)."""
+    pattern = ESA(4, 8, 64, 32)
+    q, k, v = qkv(1, 32, 8, 1024, 1024, 128, dtype=torch.bfloat16, seed=2)
+    grad_out = torch.randn_like(q)
+    mask = pattern.dense(Geometry(32, 1024, device="cuda"))
+    expected = float64(lambda a, b, c: dense_reference(a, b, c, mask), q, k, v, grad_out)
+    sdpa = lambda a, b, c: torch.nn.functional.scaled_dot_product_attention(a, b, c, attn_mask=mask[0],
+                                                                             enable_gqa=True)
+    dense = with_grads(sdpa, q, k, v, grad_out)
+    ours = with_grads(lambda a, b, c: esa_attention(a, b, c, pattern), q, k, v, grad_out)
+    for name, a, d, e in zip(("out", "dq", "dk", "dv"), ours, dense, expected):
+        ours_err, dense_err = (a.double() - e).abs().max().item(), (d.double() - e).abs().max().item()
+        assert ours_err <= 2 * dense_err, (name, ours_err, dense_err)
+
+
+@pytest.mark.gpu
+def test_gpu_deterministic_backward_is_bitwise_reproducible():
+    pattern = ESA(4, 8, 64, 32)
+    q, k, v = qkv(1, 32, 8, 8192, 8192, 128, dtype=torch.bfloat16, seed=4)
+    grad_out = torch.randn_like(q)
+    run = lambda: with_grads(lambda a, b, c: esa_attention(a, b, c, pattern, deterministic=True), q, k, v,
+                             grad_out)
+    for a, b in zip(run(), run()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_len", [1, 7, 300])
+def test_gpu_decode_and_chunks_against_float64(q_len):
+    pattern = ESA(4, 8, 64, 32)
+    q, k, v = qkv(2, 32, 8, q_len, 8192, 128, dtype=torch.bfloat16, seed=q_len)
+    grad_out = torch.randn_like(q)
+    expected = float64(lambda a, b, c: esa_attention_reference(a, b, c, pattern), q, k, v, grad_out)
+    got = with_grads(lambda a, b, c: esa_attention(a, b, c, pattern), q, k, v, grad_out)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, expected):
+        assert _rel(a, b) < 1e-2, (name, _rel(a, b))
