@@ -22,6 +22,7 @@ from flexsparse.masks.combine import gather_heads
 from flexsparse.masks.geometry import Geometry, Positions
 from flexsparse.metrics import effective_sparsity_ratio, model_sparsity_ratio
 from flexsparse.runtime.call import AttentionCall, GroupModes
+from flexsparse.runtime.esa_executor import EsaExecutor
 from flexsparse.runtime.executors import DenseExecutor, SdpaExecutor
 from flexsparse.runtime.flex import FlexExecutor
 from flexsparse.runtime.plan import PLAN_KINDS, PlanKind, Planner
@@ -148,7 +149,7 @@ class HybridAttention(nn.Module):
         self._default_head_modes: dict[tuple, Tensor] = {}  # (device, host modes) -> per query head modes
         flex = FlexExecutor(self._pattern_list, compiled=True, kernel_options=kernel_options)
         eager = FlexExecutor(self._pattern_list, compiled=False)
-        sdpa = [SdpaExecutor()]
+        sdpa = [SdpaExecutor(), EsaExecutor()]
         self._planners = {
             "flex": Planner(plan, self._pattern_list, self.num_kv_heads, sdpa, flex),
             "flex_eager": Planner(plan, self._pattern_list, self.num_kv_heads, sdpa, eager),

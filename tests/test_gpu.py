@@ -10,8 +10,9 @@ import torch
 
 from flexsparse import HybridAttention
 from flexsparse.kernels.xa_estimate import antidiagonal_block_mass
-from flexsparse.masks import ESA, Causal, SinkWindow, TriangleMix, XAttention
+from flexsparse.masks import ESA, Causal, Geometry, SinkWindow, TriangleMix, XAttention
 from flexsparse.reference import attention as reference
+from flexsparse.runtime.call import AttentionCall
 
 pytestmark = pytest.mark.gpu
 
@@ -187,3 +188,28 @@ def test_decode_loop_compiles_once_per_bucket_and_padding_masks_never_recompile(
                 mask[b, -n:] = True
             attn(q, k, v, key_padding_mask=mask)
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["contiguous", "left-padded"])
+def test_all_esa_layers_run_the_gather_kernel(padded):
+    """plan="auto" sends an all-ESA layer to the Triton gather kernel: equal to flex, and to the reference."""
+    esa = {"esa": ESA(3, 8, 64, HEADS)}
+    kernel = HybridAttention(HEADS, KV_HEADS, DIM, esa, backend="flex")
+    flex = HybridAttention(HEADS, KV_HEADS, DIM, esa, backend="flex", plan="fused")
+    q, k, v, mask, _ = padded_inputs([1800, 900], 2048, torch.bfloat16, seed=5)
+    mask = mask if padded else None
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    call = AttentionCall(q, k, v, 1.0, Geometry(HEADS, 2048, device="cuda"), needs_grad=True,
+                         kv_heads=tuple(range(KV_HEADS)))
+    assert kernel._planners["flex"].groups(call, (0,) * KV_HEADS)[0].executor.name == "esa"
+    out = kernel(q, k, v, key_padding_mask=mask)
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    q2, k2, v2 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    expected = reference(q2, k2, v2, kernel.reference_mask(q.detach(), k.detach(), key_padding_mask=mask))
+    expected.backward(grad_out.double())
+    out_tol, grad_tol = TOLERANCE[torch.bfloat16]
+    assert_near(out, expected, out_tol, "output")
+    for name, a, b in (("dq", q, q2), ("dk", k, k2), ("dv", v, v2)):
+        assert_near(a.grad, b.grad, grad_tol, name)
+    assert_near(out.detach(), flex(q.detach(), k.detach(), v.detach(), key_padding_mask=mask), out_tol, "vs flex")

@@ -266,3 +266,32 @@ def test_a_subset_of_kv_heads_equals_those_heads_of_the_whole_layer(backend):
         attn(q[:, :4], k[:, :2], v[:, :2], kv_heads=[1, 0])
     with pytest.raises(ValueError, match=r"k has 2 heads, expected 1 for kv_heads=\[3\]"):
         attn(q[:, :2], k[:, :2], v[:, :2], kv_heads=[3])
+
+
+def test_planner_gives_whole_layer_executors_only_whole_layers():
+    """An executor that needs every head (the ESA kernel) gets all-ESA layers; mixed layers keep ESA on flex."""
+    from flexsparse.masks import ESA
+    from flexsparse.runtime.call import AttentionCall
+    from flexsparse.runtime.executors import Executor, SdpaExecutor
+    from flexsparse.runtime.plan import Planner
+
+    class WholeLayer(Executor):
+        name, needs_all_heads = "whole", True
+
+        def accepts(self, pattern, call):
+            return isinstance(pattern, ESA)
+
+        def run(self, call, patterns, modes, heads):
+            raise AssertionError("not run")
+
+    class Sparse(WholeLayer):
+        name, needs_all_heads = "sparse", False
+
+    patterns = [Causal(), ESA(0, 2, 4, 8)]
+    planner = Planner("split", patterns, 4, [SdpaExecutor(), WholeLayer()], Sparse())
+    q, k = torch.empty(1, 8, 64, 16), torch.empty(1, 4, 64, 16)
+    call = AttentionCall(q, k, k, 0.25, Geometry(8, 64), needs_grad=False, kv_heads=(0, 1, 2, 3))
+    assert [g.executor.name for g in planner.groups(call, (1, 1, 1, 1))] == ["whole"]
+    assert [g.executor.name for g in planner.groups(call, (0, 1, 0, 1))] == ["sdpa", "sparse"]
+    half = AttentionCall(q[:, :4], k[:, :2], k[:, :2], 0.25, Geometry(8, 64), needs_grad=False, kv_heads=(0, 1))
+    assert [g.executor.name for g in planner.groups(half, (1, 1))] == ["sparse"]
