@@ -1,7 +1,13 @@
-"""Shared by tests/ and bench/: tests marked `gpu` skip on machines without CUDA."""
+"""Shared by tests/ and bench/: tests marked `gpu` skip on machines without CUDA; on such machines the Triton
+kernels run in the interpreter, which must be chosen before anything imports triton."""
+
+import os
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):
