@@ -188,14 +188,15 @@ def test_cache_errors():
 
 def test_forward_mask_positions():
     padding = torch.tensor([[False, True, True, True], [True, True, True, True]])
-    mask = flexsparse_mask(2, 2, 4, attention_mask=padding)
+    mask = flexsparse_mask(2, 2, 4, q_offset=2, attention_mask=padding)
     positions = mask.positions()
     assert positions.kv.tolist() == [[4, 0, 1, 2], [0, 1, 2, 3]] and positions.q.tolist() == [[1, 2], [2, 3]]
     assert mask.real_counts(2).tolist() == [1, 2] and mask.new_positions().tolist() == [[1, 2], [2, 3]]
     assert mask.positions_in(8).kv.tolist() == [[4, 0, 1, 2, 4, 4, 4, 4], [0, 1, 2, 3, 4, 4, 4, 4]]
     assert ForwardMask(None, 2, 3, 3, "cpu").positions() is None  # contiguous prefill: no tables
-    static = flexsparse_mask(1, 1, 6, attention_mask=torch.ones(1, 4, dtype=torch.long))
+    static = flexsparse_mask(1, 1, 6, q_offset=3, attention_mask=torch.ones(1, 4, dtype=torch.long))
     assert static.padding.tolist() == [[True] * 4 + [False] * 2]  # a static cache's empty slots
+    assert static.positions().q.tolist() == [[3]] and static.positions().kv.tolist() == [[0, 1, 2, 3, 6, 6]]
 
 
 @pytest.mark.gpu
@@ -219,3 +220,21 @@ def test_gpu_decode_step_has_no_host_sync():
         finally:
             torch.cuda.set_sync_debug_mode("default")
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+
+
+def test_qwen3_8b_like_cache_at_128k_is_3_8x_smaller():
+    """The issue's shapes (32 / 8 heads, d = 128, bf16, 2 full + 6 sink 128 + window 2048 KV heads) at 131,072
+    tokens, allocated on the meta device: the buffers the cache really allocates, without the memory."""
+    config = transformers.LlamaConfig(vocab_size=16, hidden_size=4096, intermediate_size=16, num_hidden_layers=1,
+                                      num_attention_heads=32, num_key_value_heads=8, head_dim=128)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    convert(model, {"full": Causal(), "ssa": SinkWindow(128, 2048)}, [["full"] * 2 + ["ssa"] * 6])
+    seq = 131072
+    keys = torch.empty(1, 8, seq, 128, dtype=torch.bfloat16, device="meta")
+    cache = SparseKVCache(model, max_length=seq)
+    cache.update(keys, keys, 0)
+    model.model.layers[0].self_attn.flexsparse.take_staged(keys, keys)
+    all_full = 2 * 8 * seq * 128 * 2
+    assert cache.memory_bytes() == kv_memory_formula(model, 1, seq, torch.bfloat16) == 2 * 128 * 2 * (2 * seq + 6 * 2176)
+    assert all_full / cache.memory_bytes() == pytest.approx(3.81, abs=0.005)

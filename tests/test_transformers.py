@@ -84,6 +84,20 @@ def test_padded_batch_logits_equal_each_sequence_alone(pad):
         torch.testing.assert_close(batched[row, real], alone[0], atol=1e-4, rtol=0)
 
 
+def test_training_gradients_through_all_full_heads_equal_sdpa():
+    """backend="auto" on CPU with gradients runs the dense executor: the model's gradients are sdpa's."""
+    ids, mask = left_padded([10, 6])
+    grads = []
+    for converted in (False, True):
+        model = tiny_model("llama").train()
+        if converted:
+            convert(model, PATTERNS, ALL_FULL)
+        labels = ids.masked_fill(mask == 0, -100)
+        model(ids, attention_mask=mask, labels=labels, use_cache=False).loss.backward()
+        grads.append(model.model.layers[1].self_attn.q_proj.weight.grad)
+    torch.testing.assert_close(grads[1], grads[0], atol=1e-5, rtol=1e-4)
+
+
 def test_the_patterns_change_the_output():
     """Guard for the tests above and below: the mixed modes are not the full model in disguise."""
     model = tiny_model("llama")
@@ -141,6 +155,23 @@ def test_a_dynamic_cache_still_works_on_a_converted_model():
     ids, mask = left_padded([9, 14])
     dynamic = greedy(model, ids, mask, 16, past_key_values=transformers.DynamicCache())
     assert torch.equal(dynamic, greedy(model, ids, mask, 16))
+
+
+def test_a_static_cache_in_direct_calls_and_its_refusal_in_generate():
+    """A static cache keeps every key; its queries sit before its empty slots. generate() prepares 4-D masks for
+    it, which flexsparse refuses clearly."""
+    model = convert(tiny_model("llama"), mixed_patterns(), MIXED, backend="dense")
+    ids, mask = left_padded([12, 7])
+    expected = logits(model, ids, mask)
+    cache = transformers.StaticCache(config=model.config, max_cache_len=24)
+    with torch.no_grad():
+        pieces = [model(ids[:, :8], attention_mask=mask[:, :8], past_key_values=cache).logits]
+        pieces += [model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], past_key_values=cache).logits
+                   for t in range(8, 12)]
+    real = mask.bool()
+    torch.testing.assert_close(torch.cat(pieces, 1)[real], expected[real], atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match="static"):
+        greedy(model, ids, mask, 4, cache_implementation="static")
 
 
 def test_revert_restores_the_models_attention():
@@ -219,6 +250,16 @@ def test_learned_tensors_go_to_safetensors(tmp_path):
     torch.testing.assert_close(tensors["layers.1.router.weight"], router.weight.detach())
     with pytest.raises(ValueError, match=r"layer 1: .*cannot rebuild"):
         load_config(tiny_model("llama"), tmp_path)
+
+
+def test_hf_demo_reports_agreement_and_memory(capsys):
+    from flexsparse.tools.demo_hf import run_hf_demo
+
+    report = run_hf_demo()
+    assert report["all_full_max_logit_error"] <= 1e-4 and report["all_full_tokens_equal"] == "64/64"
+    assert report["sparse_cache_tokens_equal_recompute"] == "64/64"
+    assert report["kv_bytes_sparse_cache"] == report["kv_bytes_formula"] and report["kv_saved"] > 2.5
+    assert "KV memory" in capsys.readouterr().out
 
 
 # ----- errors ------------------------------------------------------------------------------------------------------

@@ -16,17 +16,24 @@ from flexsparse.masks import Positions
 
 class ForwardMask:
     """Padding of one forward: ``padding`` bool ``[B, kv_len]`` (True = real token) or None (no padding);
-    queries are the last ``q_len`` of the ``kv_len`` tokens (cached ones included).
+    the queries are tokens ``q_start .. q_start + q_len`` of the ``kv_len`` key slots: the last ones (the default)
+    for a dynamic or sparse cache, earlier ones in a static cache, whose later slots are empty (padding).
 
     A token's position counts the real tokens before it, so every sequence of a padded batch sees the positions it
     has alone; padding tokens have no position. ``span`` is ``kv_len``: one past any real position.
     """
 
-    def __init__(self, padding: Tensor | None, batch: int, q_len: int, kv_len: int, device: torch.device) -> None:
+    def __init__(self, padding: Tensor | None, batch: int, q_len: int, kv_len: int, device: torch.device,
+                 q_start: int | None = None) -> None:
         if padding is not None and tuple(padding.shape) != (batch, kv_len):
             raise ValueError(f"padding mask must be [B, kv_len] = [{batch}, {kv_len}], got {tuple(padding.shape)}")
         if not 0 < q_len <= kv_len:
             raise ValueError(f"q_len ({q_len}) must be in [1, kv_len={kv_len}]")
+        self.q_start = kv_len - q_len if q_start is None else q_start
+        if not 0 <= self.q_start <= kv_len - q_len:
+            raise ValueError(f"queries start at {self.q_start}, past the {kv_len} key slots")
+        if self.q_start + q_len < kv_len and padding is None:  # a static cache without a mask: slots fill in order
+            padding = torch.arange(kv_len, device=device)[None].expand(batch, kv_len) < self.q_start + q_len
         self.padding = padding
         self.batch, self.q_len, self.kv_len = batch, q_len, kv_len
         self.device = torch.device(device)
@@ -50,8 +57,14 @@ class ForwardMask:
                 found = None
             elif self.padding is None:
                 found = Positions.contiguous(self.q_len, self.kv_len, self.device)
-            else:
+            elif self.q_start + self.q_len == self.kv_len:
                 found = Positions.from_padding_mask(self.padding, self.q_len)
+            else:
+                counted = self.padding.cumsum(-1, dtype=torch.int32) - 1
+                rows = slice(self.q_start, self.q_start + self.q_len)
+                kv = torch.where(self.padding, counted, self.kv_len).to(torch.int32)
+                q = torch.where(self.padding[:, rows], counted[:, rows], -1).to(torch.int32)
+                found = Positions(q, kv, self.kv_len)
             self.memo["positions"] = found
         return self.memo["positions"]
 
@@ -78,5 +91,5 @@ class ForwardMask:
         return self.memo[key]
 
     def new_positions(self) -> Tensor:
-        """Positions of the last ``q_len`` tokens (the new ones), int64 ``[B', q_len]``, ``span`` for padding."""
-        return self.table_positions().kv[:, self.kv_len - self.q_len:].long()
+        """Positions of the query tokens (the new ones), int64 ``[B', q_len]``, ``span`` for padding."""
+        return self.table_positions().kv[:, self.q_start:self.q_start + self.q_len].long()

@@ -3,24 +3,26 @@
 Per layer, the KV heads are grouped by :func:`~flexsparse.integrations.layer.cache_groups`:
 
 * full heads keep every token (``[B, H_full, capacity, d]``). When SDPA serves them, the capacity is the
-  generation's maximum length (``generate()`` passes it) and decode attends a view of the used length; without a
-  known maximum the buffer grows to ``block_size x 2^k`` tokens;
+  generation's maximum length (``generate()`` passes it; without one the buffer is the prompt's length and grows
+  to ``block_size x 2^k`` tokens), and decode attends the used length rounded up to ``block_size``;
 * other heads that read arbitrary history (ESA, XAttention, TriangleMix) keep every token in buffers of bucketed
   capacity (``block_size x 2^k``), so compiled flex runs them without copying the cache
   (:mod:`flexsparse.runtime.buckets`);
 * token-exact SinkWindow heads keep ``sink + window`` slots (fewer when the generation is shorter): slot ``p`` for
   a position ``p < sink``, slot ``sink + (p - sink) % window`` after it, per sequence, so a left-padded sequence's
   sink is its first real tokens. A decode step writes the new token into its slot (one indexed write, the oldest
-  window key leaves) and attends every filled slot: the ring holds exactly the keys the pattern attends.
+  window key leaves) and attends every filled slot as full attention: the ring holds exactly the keys the pattern
+  attends. A chunk of several tokens attends the ring and the chunk in the heads' own pattern, then rewrites it.
 
 Each group runs as one HybridAttention call (``kv_heads=``) per step: no per-head loop, no host sync (slots and
-positions are computed on the device from the padding mask), and compiled calls see bucket lengths only.
-Memory, per layer: ``2 x B x d x bytes x (sum of the groups' capacities x heads)``, which is the formula
-``2 B d bytes (H_full S + H_ring min(S, sink + window))`` at ``S`` = the generation's maximum length
-(:func:`kv_memory_formula`) when no "keep" heads are present.
+positions are computed on the device from the padding mask, once per forward for all layers), and compiled calls
+see bucket lengths only. Memory per layer is ``2 x B x d x bytes x`` the groups' slots; with generate()'s maximum
+length ``S`` and no "keep" heads that is the formula ``2 B d bytes (H_full S + H_ring min(S, sink + window))``
+exactly (:func:`kv_memory_formula`), and an all-full model's cache has the size of a DynamicCache.
 
-Decoding uses the modes the cache was built with (the layer's modes at prefill). Modes chosen per call and per
-sequence (a router) need every key in every head: such layers must use a DynamicCache.
+Decoding uses the modes the cache was built with (the layer's modes at prefill; converting again invalidates the
+cache). Modes chosen per call and per sequence (a router) need every key in every head: such layers must use a
+DynamicCache.
 """
 
 from __future__ import annotations
@@ -99,7 +101,9 @@ class _GroupCache:
 
 class _EveryKey(_GroupCache):
     """Heads that keep every token: slot t holds token t. ``bucketed``: capacities ``block_size x 2^k`` and the
-    whole buffer is attended (compiled flex); otherwise the used length is attended as a view (SDPA)."""
+    whole buffer is attended (compiled flex sees one length per bucket); otherwise SDPA attends a view of the used
+    length rounded up to ``block_size`` (the extra slots are masked; calls keep one shape for ``block_size``
+    steps, so their plan is reused)."""
 
     def __init__(self, group: CacheGroup, group_size: int, bucketed: bool, block_size: int,
                  max_length: int | None) -> None:
@@ -125,13 +129,11 @@ class _EveryKey(_GroupCache):
     def attend(self, layer: SparseAttentionLayer, q: Tensor, key: Tensor, value: Tensor, mask: ForwardMask,
                past: int, scale: float | None) -> Tensor:
         self.write(key, value, past)
-        if self.bucketed:
-            keys, values, positions = self.keys, self.values, mask.positions_in(self.capacity)
-        else:
-            end = past + key.shape[2]
-            keys, values, positions = self.keys[:, :, :end], self.values[:, :, :end], mask.table_positions()
-        return layer.attention(_pick(q, self.q_index), keys, values, positions=positions,
-                               kv_heads=self.group.kv_heads, scale=scale)
+        length = self.capacity
+        if not self.bucketed:  # SDPA: the used length rounded up to a block (a new plan every block_size steps)
+            length = min(length, -(-(past + key.shape[2]) // self.block_size) * self.block_size)
+        return layer.attention(_pick(q, self.q_index), self.keys[:, :, :length], self.values[:, :, :length],
+                               positions=mask.positions_in(length), kv_heads=self.group.kv_heads, scale=scale)
 
 
 class _Ring(_GroupCache):
@@ -174,10 +176,14 @@ class _Ring(_GroupCache):
     def write_one(self, key: Tensor, value: Tensor, mask: ForwardMask, tokens: int) -> None:
         """Decode: the new token into its slot. A padding token goes to the next position's slot, whose key
         no query of this step reads (its query is padding) and the next real token overwrites."""
-        counts = mask.real_counts(tokens)
-        real = (mask.new_positions()[:, 0] < mask.span).long()
-        slot = ring_slot_of(counts - real, self.sink, self.window)
-        rows = torch.arange(key.shape[0], device=key.device)
+        found = mask.memo.get(("ring slot", self.sink, self.window))  # every layer of the forward writes there
+        if found is None:
+            counts = mask.real_counts(tokens)
+            real = (mask.new_positions()[:, 0] < mask.span).long()
+            slot = ring_slot_of(counts - real, self.sink, self.window)
+            found = mask.memo[("ring slot", self.sink, self.window)] = (
+                torch.arange(key.shape[0], device=key.device), slot)
+        rows, slot = found
         self.keys[rows, :, slot] = _pick(key, self.kv_index)[:, :, 0]
         self.values[rows, :, slot] = _pick(value, self.kv_index)[:, :, 0]
 

@@ -58,7 +58,10 @@ def flexsparse_mask(batch_size: int, q_length: int, kv_length: int, q_offset: in
         padding = attention_mask[:, :kv_length].to(device=device, dtype=torch.bool)
         if padding.shape[1] < kv_length:  # a static cache's empty slots
             padding = torch.nn.functional.pad(padding, (0, kv_length - padding.shape[1]), value=False)
-    return ForwardMask(padding, batch_size, q_length, kv_length, device)
+    # queries follow the cached tokens; in a static cache that is not the end of the keys (its offset is a tensor:
+    # one host sync per forward, static caches only)
+    q_start = int(q_offset) if q_length < kv_length else None
+    return ForwardMask(padding, batch_size, q_length, kv_length, device, q_start)
 
 
 def flexsparse_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
@@ -293,6 +296,10 @@ def _prepare_sparse_cache(self, generation_config, model_kwargs: dict, *args, **
     replaced by a SparseKVCache sized for the generation (``max_cache_length``, the last positional argument)."""
     type(self)._prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs)
     cache = model_kwargs.get("past_key_values")
+    if getattr(cache, "is_compileable", False):
+        raise ValueError("generate() with a static (compileable) cache prepares 4-D masks, which flexsparse's "
+                         "attention does not take; use the default sparse KV cache or a DynamicCache (a static "
+                         "cache works in direct model calls)")
     max_length = kwargs.get("max_cache_length", args[-1] if args else None)
     if (type(cache) is DynamicCache and not getattr(cache, "_is_user_defined", False)
             and generation_config.cache_implementation in (None, "dynamic")
