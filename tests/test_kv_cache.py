@@ -194,6 +194,7 @@ def test_forward_mask_positions():
     assert mask.real_counts(2).tolist() == [1, 2] and mask.new_positions().tolist() == [[1, 2], [2, 3]]
     assert mask.positions_in(8).kv.tolist() == [[4, 0, 1, 2, 4, 4, 4, 4], [0, 1, 2, 3, 4, 4, 4, 4]]
     assert ForwardMask(None, 2, 3, 3, "cpu").positions() is None  # contiguous prefill: no tables
+    assert flexsparse_mask(2, 2, 4, attention_mask=padding).positions().q.tolist() == [[1, 2], [2, 3]]  # last slots
     static = flexsparse_mask(1, 1, 6, q_offset=3, attention_mask=torch.ones(1, 4, dtype=torch.long))
     assert static.padding.tolist() == [[True] * 4 + [False] * 2]  # a static cache's empty slots
     assert static.positions().q.tolist() == [[3]] and static.positions().kv.tolist() == [[0, 1, 2, 3, 6, 6]]
@@ -207,14 +208,15 @@ def test_gpu_decode_step_has_no_host_sync():
     cache = SparseKVCache(model, max_length=64)
     forward_logits(model, ids, mask, cache)
     mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
-    for _ in range(2):  # the first decode step builds what later steps reuse
-        layer = model.model.layers[0].self_attn
+    layer = model.model.layers[0].self_attn
+    for step in range(3):  # the first decode step builds what later steps reuse (plans, index tensors)
         q = torch.randn(2, 4, 1, HEAD_DIM, device="cuda")
         key = torch.randn(2, KV_HEADS, 1, HEAD_DIM, device="cuda")
-        forward = flexsparse_mask(2, 1, cache.get_seq_length(0) + 1, attention_mask=mask, device="cuda")
+        past = cache.get_seq_length(0)
+        forward = flexsparse_mask(2, 1, past + 1, q_offset=past, attention_mask=mask, device="cuda")
         cache.update(key, key, 0)
         torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
+        torch.cuda.set_sync_debug_mode("error" if step else "default")
         try:
             flexsparse_attention(layer, q, key, key, forward)
         finally:

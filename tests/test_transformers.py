@@ -123,6 +123,15 @@ def test_sparse_cache_generation_equals_full_recompute(kind):
     torch.testing.assert_close(torch.stack(cached.logits), torch.stack(recomputed.logits), atol=1e-4, rtol=0)
 
 
+def test_sparse_cache_generation_with_interleaved_head_groups():
+    """Four KV heads alternating full / sink+window: the groups are not contiguous head ranges."""
+    model = tiny_model("llama", num_attention_heads=8, num_key_value_heads=4, hidden_size=128)
+    modes = [["full", "ssa", "full", "ssa2"], ["ssa", "full", "ssa", "full"], ["ssa2", "ssa", "ssa2", "ssa"]]
+    convert(model, PATTERNS, modes, backend="dense")
+    ids, mask = left_padded([6, 17])
+    assert torch.equal(greedy(model, ids, mask, 32), greedy(model, ids, mask, 32, use_cache=False))
+
+
 def test_sparse_cache_generation_on_the_flex_eager_backend():
     """The flex executors (eager flex_attention is slow on CPU: fewer tokens)."""
     model = convert(tiny_model("llama"), mixed_patterns(), MIXED, backend="flex_eager")
@@ -343,12 +352,24 @@ def test_other_inputs_are_refused():
 # ----- GPU (compiled flex) -------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
-def test_gpu_sparse_cache_generation_equals_recompute_without_recompiles():
-    model = convert(tiny_model("llama").cuda(), {**PATTERNS, "esa": ESA(0, 1, 3, 4)},
-                    [["full", "ssa"], ["ssa2", "esa"], ["ssa", "ssa"]], block_size=16, backend="flex")
-    ids, mask = left_padded([5, 20])
+def test_gpu_sparse_cache_decode_equals_one_forward_and_never_recompiles():
+    """Compiled flex (ESA heads in bucketed buffers), SDPA (full heads, rings) on CUDA, fp32: teacher-forced decode
+    logits through the sparse cache equal one forward over the whole sequence (atol 5e-3: flex may use TF32);
+    a second generate() of the same lengths compiles nothing."""
+    patterns = {**PATTERNS, "esa": ESA(0, 1, 3, 4)}
+    model = convert(tiny_model("llama").cuda(), patterns, [["full", "ssa"], ["ssa2", "esa"], ["ssa", "ssa"]],
+                    block_size=16, backend="flex")
+    ids, mask = left_padded([20, 9])
     ids, mask = ids.cuda(), mask.cuda()
-    cached = greedy(model, ids, mask, 40)
-    assert torch.equal(cached, greedy(model, ids, mask, 40, use_cache=False))
-    with torch.compiler.set_stance("fail_on_recompile"):  # same lengths: the buffers' buckets are already compiled
-        assert torch.equal(greedy(model, ids, mask, 40), cached)
+    with torch.no_grad():
+        expected = model(ids, attention_mask=mask).logits
+        cache, pieces = SparseKVCache(model, max_length=ids.shape[1]), []
+        for start, stop in [(0, 9)] + [(t, t + 1) for t in range(9, ids.shape[1])]:
+            positions = (mask[:, :stop].cumsum(-1) - 1).clamp(min=0)[:, start:stop]
+            pieces.append(model(ids[:, start:stop], attention_mask=mask[:, :stop], position_ids=positions,
+                                past_key_values=cache).logits)
+    real = mask.bool()
+    torch.testing.assert_close(torch.cat(pieces, 1)[real], expected[real], atol=5e-3, rtol=0)
+    first = greedy(model, ids, mask, 40)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        assert torch.equal(greedy(model, ids, mask, 40), first)

@@ -4,7 +4,8 @@ Per layer, the KV heads are grouped by :func:`~flexsparse.integrations.layer.cac
 
 * full heads keep every token (``[B, H_full, capacity, d]``). When SDPA serves them, the capacity is the
   generation's maximum length (``generate()`` passes it; without one the buffer is the prompt's length and grows
-  to ``block_size x 2^k`` tokens), and decode attends the used length rounded up to ``block_size``;
+  to ``block_size x 2^k`` tokens); decode attends the whole buffer, its empty slots masked by their positions, so
+  every step has the same shapes (one plan, no per-step planning) and SDPA reads at most the unused room;
 * other heads that read arbitrary history (ESA, XAttention, TriangleMix) keep every token in buffers of bucketed
   capacity (``block_size x 2^k``), so compiled flex runs them without copying the cache
   (:mod:`flexsparse.runtime.buckets`);
@@ -57,13 +58,30 @@ def ring_slot_positions(counts: Tensor, sink: int, window: int, capacity: int, s
     return torch.where(slot < sink, in_sink, in_window).to(torch.int32)
 
 
-def _heads_index(heads: Sequence[int]) -> slice | list[int]:
-    heads = list(heads)
-    return slice(heads[0], heads[-1] + 1) if heads == list(range(heads[0], heads[-1] + 1)) else heads
+class _HeadIndex:
+    """Some heads of a ``[B, heads, ...]`` tensor: a slice when contiguous (a view), else an index tensor kept per
+    device (indexing a CUDA tensor with a Python list copies the list to the device and syncs the host)."""
 
+    def __init__(self, heads: Sequence[int]) -> None:
+        heads = list(heads)
+        self.slice = slice(heads[0], heads[-1] + 1) if heads == list(range(heads[0], heads[-1] + 1)) else None
+        self.heads = heads
+        self._on: dict[torch.device, Tensor] = {}
 
-def _pick(t: Tensor, index: slice | list[int]) -> Tensor:
-    return t[:, index]
+    def _tensor(self, device: torch.device) -> Tensor:
+        found = self._on.get(device)
+        if found is None:
+            found = self._on[device] = torch.tensor(self.heads, dtype=torch.long, device=device)
+        return found
+
+    def pick(self, t: Tensor) -> Tensor:
+        return t[:, self.slice] if self.slice is not None else t.index_select(1, self._tensor(t.device))
+
+    def put(self, out: Tensor, values: Tensor) -> None:
+        if self.slice is not None:
+            out[:, self.slice] = values
+        else:
+            out.index_copy_(1, self._tensor(out.device), values)
 
 
 class _GroupCache:
@@ -71,10 +89,16 @@ class _GroupCache:
 
     def __init__(self, group: CacheGroup, group_size: int) -> None:
         self.group = group
-        self.kv_index = _heads_index(group.kv_heads)
-        self.q_index = _heads_index(group.q_heads(group_size))
+        self.kv_index = _HeadIndex(group.kv_heads)
+        self.q_index = _HeadIndex(group.q_heads(group_size))
         self.keys: Tensor | None = None
         self.values: Tensor | None = None
+
+    def pick_q(self, q: Tensor) -> Tensor:
+        return self.q_index.pick(q)
+
+    def pick_kv(self, t: Tensor) -> Tensor:
+        return self.kv_index.pick(t)
 
     @property
     def capacity(self) -> int:
@@ -100,10 +124,9 @@ class _GroupCache:
 
 
 class _EveryKey(_GroupCache):
-    """Heads that keep every token: slot t holds token t. ``bucketed``: capacities ``block_size x 2^k`` and the
-    whole buffer is attended (compiled flex sees one length per bucket); otherwise SDPA attends a view of the used
-    length rounded up to ``block_size`` (the extra slots are masked; calls keep one shape for ``block_size``
-    steps, so their plan is reused)."""
+    """Heads that keep every token: slot t holds token t; the whole buffer is attended, its empty slots masked by
+    their positions, so every decode step has the same shapes (one plan, one compiled variant) until the buffer
+    grows. ``bucketed``: capacities ``block_size x 2^k`` (compiled flex); otherwise the generation's length."""
 
     def __init__(self, group: CacheGroup, group_size: int, bucketed: bool, block_size: int,
                  max_length: int | None) -> None:
@@ -123,17 +146,14 @@ class _EveryKey(_GroupCache):
 
     def write(self, key: Tensor, value: Tensor, past: int) -> None:
         end = past + key.shape[2]
-        self.keys[:, :, past:end] = _pick(key, self.kv_index)
-        self.values[:, :, past:end] = _pick(value, self.kv_index)
+        self.keys[:, :, past:end] = self.pick_kv(key)
+        self.values[:, :, past:end] = self.pick_kv(value)
 
     def attend(self, layer: SparseAttentionLayer, q: Tensor, key: Tensor, value: Tensor, mask: ForwardMask,
                past: int, scale: float | None) -> Tensor:
         self.write(key, value, past)
-        length = self.capacity
-        if not self.bucketed:  # SDPA: the used length rounded up to a block (a new plan every block_size steps)
-            length = min(length, -(-(past + key.shape[2]) // self.block_size) * self.block_size)
-        return layer.attention(_pick(q, self.q_index), self.keys[:, :, :length], self.values[:, :, :length],
-                               positions=mask.positions_in(length), kv_heads=self.group.kv_heads, scale=scale)
+        return layer.attention(self.pick_q(q), self.keys, self.values, positions=mask.positions_in(self.capacity),
+                               kv_heads=self.group.kv_heads, scale=scale)
 
 
 class _Ring(_GroupCache):
@@ -170,8 +190,8 @@ class _Ring(_GroupCache):
         batch, heads, _, dim = self.keys.shape
         index = token[:, None, :, None].expand(batch, heads, self.capacity, dim)
         keep = from_new[:, None, :, None]
-        self.keys = torch.where(keep, _pick(key, self.kv_index).gather(2, index), self.keys)
-        self.values = torch.where(keep, _pick(value, self.kv_index).gather(2, index), self.values)
+        self.keys = torch.where(keep, self.pick_kv(key).gather(2, index), self.keys)
+        self.values = torch.where(keep, self.pick_kv(value).gather(2, index), self.values)
 
     def write_one(self, key: Tensor, value: Tensor, mask: ForwardMask, tokens: int) -> None:
         """Decode: the new token into its slot. A padding token goes to the next position's slot, whose key
@@ -184,12 +204,12 @@ class _Ring(_GroupCache):
             found = mask.memo[("ring slot", self.sink, self.window)] = (
                 torch.arange(key.shape[0], device=key.device), slot)
         rows, slot = found
-        self.keys[rows, :, slot] = _pick(key, self.kv_index)[:, :, 0]
-        self.values[rows, :, slot] = _pick(value, self.kv_index)[:, :, 0]
+        self.keys[rows, :, slot] = self.pick_kv(key)[:, :, 0]
+        self.values[rows, :, slot] = self.pick_kv(value)[:, :, 0]
 
     def attend(self, layer: SparseAttentionLayer, q: Tensor, key: Tensor, value: Tensor, mask: ForwardMask,
                past: int, scale: float | None) -> Tensor:
-        q_group, tokens = _pick(q, self.q_index), past + key.shape[2]
+        q_group, tokens = self.pick_q(q), past + key.shape[2]
         table = mask.table_positions()
         if key.shape[2] == 1:  # decode: write, then attend every filled slot (they are the pattern's keys)
             self.write_one(key, value, mask, tokens)
@@ -202,8 +222,8 @@ class _Ring(_GroupCache):
         # a chunk: the ring as it was and the new tokens, in the heads' own pattern, then the ring is rewritten
         before = self._slot_positions(mask, past)
         positions = Positions(table.q, torch.cat([before, mask.new_positions().int()], 1), mask.span)
-        keys = torch.cat([self.keys, _pick(key, self.kv_index)], 2)
-        values = torch.cat([self.values, _pick(value, self.kv_index)], 2)
+        keys = torch.cat([self.keys, self.pick_kv(key)], 2)
+        values = torch.cat([self.values, self.pick_kv(value)], 2)
         out = layer.attention(q_group, keys, values, positions=positions, kv_heads=self.group.kv_heads, scale=scale)
         self.rewrite(key, value, mask, past)
         return out
@@ -274,7 +294,7 @@ class SparseKVLayer(CacheLayerMixin):
             return results[0][1]
         out = q.new_empty(q.shape)
         for index, result in results:
-            out[:, index] = result
+            index.put(out, result)
         return out
 
     # ----- transformers' Cache protocol ---------------------------------------------------------------------

@@ -44,10 +44,11 @@ _UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks")
 
 # ----- the registered functions ----------------------------------------------------------------------------------
 
-def flexsparse_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
-                    mask_function=causal_mask_function, attention_mask: Tensor | None = None,
+def flexsparse_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int | Tensor | None = None,
+                    kv_offset: int = 0, mask_function=causal_mask_function, attention_mask: Tensor | None = None,
                     device: torch.device | str = "cpu", **kwargs) -> ForwardMask:
-    """transformers mask function: the 2-D padding mask of this forward, cut or padded to ``kv_length`` keys."""
+    """transformers mask function: the 2-D padding mask of this forward, cut or padded to ``kv_length`` keys.
+    ``q_offset``: the queries' first key slot (transformers passes the cached length); None: the last slots."""
     if mask_function is not causal_mask_function:
         raise ValueError("flexsparse runs causal attention with a 2-D padding mask; this model asked for another "
                          "mask (a sliding window, packed sequences, bidirectional or custom mask functions)")
@@ -60,7 +61,7 @@ def flexsparse_mask(batch_size: int, q_length: int, kv_length: int, q_offset: in
             padding = torch.nn.functional.pad(padding, (0, kv_length - padding.shape[1]), value=False)
     # queries follow the cached tokens; in a static cache that is not the end of the keys (its offset is a tensor:
     # one host sync per forward, static caches only)
-    q_start = int(q_offset) if q_length < kv_length else None
+    q_start = int(q_offset) if q_offset is not None and q_length < kv_length else None
     return ForwardMask(padding, batch_size, q_length, kv_length, device, q_start)
 
 

@@ -157,6 +157,31 @@ class DecodeSetup:
     kv_bytes: int
     kv_bytes_formula: int
     kv_bytes_all_full: int
+    first_step_error: float
+    """Max |error| of the first decode step's output against SDPA on the keys each head may attend."""
+
+
+def _check_first_step(cfg: HfBenchConfig, cache, modules, keys, values, q1, k1, v1) -> float:
+    """One decode step through flexsparse against SDPA on exactly the keys each head attends (full heads: every
+    key; sink + window heads: the sink and the last window keys, the new one included); raises when it differs."""
+    batch, seq, full = keys.shape[0], keys.shape[2], cfg.full_kv_heads
+    mask = flexsparse_mask(batch, 1, seq + 1, device=q1.device)
+    for index, module in enumerate(modules):
+        cache.update(k1, v1, index)
+        out = flexsparse_attention(module, q1, k1, v1, mask)[0].transpose(1, 2)
+    split = full * (cfg.heads // cfg.kv_heads)
+    ring = lambda t, new: torch.cat([t[:, full:, :cfg.sink], t[:, full:, seq - cfg.window + 1:], new[:, full:]], 2)
+    expected = torch.cat([
+        F.scaled_dot_product_attention(q1[:, :split], torch.cat([keys[:, :full], k1[:, :full]], 2),
+                                       torch.cat([values[:, :full], v1[:, :full]], 2), enable_gqa=True),
+        F.scaled_dot_product_attention(q1[:, split:], ring(keys, k1), ring(values, v1), enable_gqa=True),
+    ], 1)
+    error = float((out.float() - expected.float()).abs().max())
+    tolerance = 1e-4 if q1.dtype == torch.float32 else 2e-2
+    if error > tolerance:
+        raise RuntimeError(f"flexsparse's decode step differs from SDPA on the attended keys by {error:.3g} "
+                           f"(tolerance {tolerance})")
+    return error
 
 
 @torch.no_grad()
@@ -190,6 +215,7 @@ def decode_setup(cfg: HfBenchConfig, batch: int, layers: int = 1) -> DecodeSetup
     _sync(dev)
 
     q1, k1, v1 = rand(batch, cfg.heads, 1, dim), rand(batch, cfg.kv_heads, 1, dim), rand(batch, cfg.kv_heads, 1, dim)
+    error = _check_first_step(cfg, cache, modules, keys, values, q1, k1, v1)
 
     def flexsparse_step():
         if cache.get_seq_length(0) >= seq + cfg.decode_extra:
@@ -213,7 +239,7 @@ def decode_setup(cfg: HfBenchConfig, batch: int, layers: int = 1) -> DecodeSetup
     }
     itemsize = torch.empty((), dtype=dtype).element_size()
     all_full = 2 * batch * cfg.kv_heads * seq * dim * itemsize * layers  # a DynamicCache of `seq` tokens
-    return DecodeSetup(batch, seq, layers, timed, kv_bytes, formula, all_full)
+    return DecodeSetup(batch, seq, layers, timed, kv_bytes, formula, all_full, error)
 
 
 def bench_decode_layer(cfg: HfBenchConfig, batch: int, layers: int = 1) -> dict:
@@ -228,7 +254,7 @@ def bench_decode_layer(cfg: HfBenchConfig, batch: int, layers: int = 1) -> dict:
         speedup_vs_sdpa_enable_gqa=ms["sdpa_all_full_enable_gqa"] / ms["flexsparse"],
         ideal_speedup_vs_sdpa=ms["sdpa_all_full"] / ms["ideal_two_sdpa"],
         kv_bytes=setup.kv_bytes, kv_bytes_formula=setup.kv_bytes_formula, kv_bytes_all_full=setup.kv_bytes_all_full,
-        kv_saved=setup.kv_bytes_all_full / setup.kv_bytes,
+        kv_saved=setup.kv_bytes_all_full / setup.kv_bytes, first_step_error=setup.first_step_error,
     )
     if dev.type == "cuda":  # GPU work alone (host overhead excluded): kernel time per call from the profiler
         try:
@@ -334,7 +360,7 @@ def _decode_line(row: dict) -> str:
     if isinstance(kernel, dict):
         line += (f"; GPU kernels alone: flexsparse {kernel['flexsparse']:.3f} ms, SDPA {kernel['sdpa_all_full']:.3f} "
                  f"ms ({row['gpu_kernel_speedup_vs_sdpa']:.2f}x)")
-    return line + (f"; KV {row['kv_bytes'] / 2**20:.1f} MiB (formula {row['kv_bytes_formula'] / 2**20:.1f}) vs "
+    return line + (f"; first step max |error| {row['first_step_error']:.1e}; KV {row['kv_bytes'] / 2**20:.1f} MiB (formula {row['kv_bytes_formula'] / 2**20:.1f}) vs "
                    f"{row['kv_bytes_all_full'] / 2**20:.1f} MiB all-full: {row['kv_saved']:.2f}x less")
 
 
