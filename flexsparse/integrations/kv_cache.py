@@ -1,0 +1,372 @@
+"""A transformers ``Cache`` that keeps, per layer and head group, only the keys its heads' patterns can attend.
+
+Per layer, the KV heads are grouped by :func:`~flexsparse.integrations.layer.cache_groups`:
+
+* full heads keep every token (``[B, H_full, capacity, d]``). When SDPA serves them, the capacity is the
+  generation's maximum length (``generate()`` passes it; without one the buffer is the prompt's length and grows
+  to ``block_size x 2^k`` tokens); decode attends the whole buffer, its empty slots masked by their positions, so
+  every step has the same shapes (one plan, no per-step planning) and SDPA reads at most the unused room;
+* other heads that read arbitrary history (ESA, XAttention, TriangleMix) keep every token in buffers of bucketed
+  capacity (``block_size x 2^k``), so compiled flex runs them without copying the cache
+  (:mod:`flexsparse.runtime.buckets`);
+* token-exact SinkWindow heads keep ``sink + window`` slots (fewer when the generation is shorter): slot ``p`` for
+  a position ``p < sink``, slot ``sink + (p - sink) % window`` after it, per sequence, so a left-padded sequence's
+  sink is its first real tokens. A decode step writes the new token into its slot (one indexed write, the oldest
+  window key leaves) and attends every filled slot as full attention: the ring holds exactly the keys the pattern
+  attends. A chunk of several tokens attends the ring and the chunk in the heads' own pattern, then rewrites it.
+
+Each group runs as one HybridAttention call (``kv_heads=``) per step: no per-head loop, no host sync (slots and
+positions are computed on the device from the padding mask, once per forward for all layers), and compiled calls
+see bucket lengths only. Memory per layer is ``2 x B x d x bytes x`` the groups' slots; with generate()'s maximum
+length ``S`` and no "keep" heads that is the formula ``2 B d bytes (H_full S + H_ring min(S, sink + window))``
+exactly (:func:`kv_memory_formula`), and an all-full model's cache has the size of a DynamicCache.
+
+Decoding uses the modes the cache was built with (the layer's modes at prefill; converting again invalidates the
+cache). Modes chosen per call and per sequence (a router) need every key in every head: such layers must use a
+DynamicCache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from flexsparse.integrations.forward_mask import ForwardMask
+from flexsparse.integrations.layer import CacheGroup, SparseAttentionLayer, sparse_layers
+from flexsparse.masks import Positions, SinkWindow
+from flexsparse.runtime.buckets import kv_bucket
+from flexsparse.validation import as_int
+
+
+def ring_slot_of(positions: Tensor, sink: int, window: int) -> Tensor:
+    """Ring slot of each position (any int tensor): ``p`` in the sink, ``sink + (p - sink) % window`` after."""
+    return torch.where(positions < sink, positions, sink + torch.remainder(positions - sink, window))
+
+
+def ring_slot_positions(counts: Tensor, sink: int, window: int, capacity: int, span: int) -> Tensor:
+    """Position held by each ring slot once ``counts`` (int64 ``[B']``) real tokens were written, int32
+    ``[B', capacity]``; ``span`` marks an empty slot. A window slot holds the latest position of its residue."""
+    slot = torch.arange(capacity, device=counts.device)[None]
+    last = counts[:, None] - 1
+    in_sink = torch.where(slot < counts[:, None], slot, span)
+    offset = slot - sink
+    latest = sink + offset + torch.div(last - sink - offset, window, rounding_mode="floor") * window
+    in_window = torch.where(last >= sink + offset, latest, span)
+    return torch.where(slot < sink, in_sink, in_window).to(torch.int32)
+
+
+class _HeadIndex:
+    """Some heads of a ``[B, heads, ...]`` tensor: a slice when contiguous (a view), else an index tensor kept per
+    device (indexing a CUDA tensor with a Python list copies the list to the device and syncs the host)."""
+
+    def __init__(self, heads: Sequence[int]) -> None:
+        heads = list(heads)
+        self.slice = slice(heads[0], heads[-1] + 1) if heads == list(range(heads[0], heads[-1] + 1)) else None
+        self.heads = heads
+        self._on: dict[torch.device, Tensor] = {}
+
+    def _tensor(self, device: torch.device) -> Tensor:
+        found = self._on.get(device)
+        if found is None:
+            found = self._on[device] = torch.tensor(self.heads, dtype=torch.long, device=device)
+        return found
+
+    def pick(self, t: Tensor) -> Tensor:
+        return t[:, self.slice] if self.slice is not None else t.index_select(1, self._tensor(t.device))
+
+    def put(self, out: Tensor, values: Tensor) -> None:
+        if self.slice is not None:
+            out[:, self.slice] = values
+        else:
+            out.index_copy_(1, self._tensor(out.device), values)
+
+
+class _GroupCache:
+    """One group's buffers and how its heads attend (subclasses: every key, or a ring)."""
+
+    def __init__(self, group: CacheGroup, group_size: int) -> None:
+        self.group = group
+        self.kv_index = _HeadIndex(group.kv_heads)
+        self.q_index = _HeadIndex(group.q_heads(group_size))
+        self.keys: Tensor | None = None
+        self.values: Tensor | None = None
+
+    def pick_q(self, q: Tensor) -> Tensor:
+        return self.q_index.pick(q)
+
+    def pick_kv(self, t: Tensor) -> Tensor:
+        return self.kv_index.pick(t)
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def memory_bytes(self) -> int:
+        if self.keys is None:
+            return 0
+        return (self.keys.numel() + self.values.numel()) * self.keys.element_size()
+
+    def _allocate(self, like: Tensor, capacity: int) -> None:
+        shape = (like.shape[0], len(self.group.kv_heads), capacity, like.shape[3])
+        keys = like.new_zeros(shape)
+        values = like.new_zeros(shape)
+        if self.keys is not None:  # growing: keep what is cached
+            keys[:, :, : self.capacity] = self.keys
+            values[:, :, : self.capacity] = self.values
+        self.keys, self.values = keys, values
+
+    def map_batch(self, fn) -> None:
+        if self.keys is not None:
+            self.keys, self.values = fn(self.keys), fn(self.values)
+
+
+class _EveryKey(_GroupCache):
+    """Heads that keep every token: slot t holds token t; the whole buffer is attended, its empty slots masked by
+    their positions, so every decode step has the same shapes (one plan, one compiled variant) until the buffer
+    grows. ``bucketed``: capacities ``block_size x 2^k`` (compiled flex); otherwise the generation's length."""
+
+    def __init__(self, group: CacheGroup, group_size: int, bucketed: bool, block_size: int,
+                 max_length: int | None) -> None:
+        super().__init__(group, group_size)
+        self.bucketed, self.block_size, self.max_length = bucketed, block_size, max_length
+
+    def reserve(self, like: Tensor, tokens: int) -> None:
+        if tokens <= self.capacity:
+            return
+        if self.keys is None and self.max_length is not None:
+            wanted = max(tokens, self.max_length)
+        elif self.keys is None and not self.bucketed:
+            wanted = tokens  # prefill of unknown final length: exact, grows on the first decode step
+        else:
+            wanted = kv_bucket(tokens, self.block_size)
+        self._allocate(like, kv_bucket(wanted, self.block_size) if self.bucketed else wanted)
+
+    def write(self, key: Tensor, value: Tensor, past: int) -> None:
+        end = past + key.shape[2]
+        self.keys[:, :, past:end] = self.pick_kv(key)
+        self.values[:, :, past:end] = self.pick_kv(value)
+
+    def attend(self, layer: SparseAttentionLayer, q: Tensor, key: Tensor, value: Tensor, mask: ForwardMask,
+               past: int, scale: float | None) -> Tensor:
+        self.write(key, value, past)
+        return layer.attention(self.pick_q(q), self.keys, self.values, positions=mask.positions_in(self.capacity),
+                               kv_heads=self.group.kv_heads, scale=scale)
+
+
+class _Ring(_GroupCache):
+    """Token-exact SinkWindow heads: ``sink + window`` slots (fewer for a shorter generation)."""
+
+    def __init__(self, group: CacheGroup, group_size: int, max_length: int | None) -> None:
+        super().__init__(group, group_size)
+        window: SinkWindow = group.window
+        self.sink, self.window = window.sink, window.window
+        self.full_size = self.sink + self.window
+        self.max_length = max_length
+
+    def reserve(self, like: Tensor, tokens: int) -> None:
+        if tokens <= self.capacity or self.capacity == self.full_size:
+            return
+        limit = self.full_size if self.keys is not None or self.max_length is None else self.max_length
+        self._allocate(like, min(self.full_size, max(tokens, limit)))
+
+    def _slot_positions(self, mask: ForwardMask, tokens: int) -> Tensor:
+        key = ("ring", self.sink, self.window, self.capacity, tokens)
+        if key not in mask.memo:
+            counts = mask.real_counts(tokens)
+            mask.memo[key] = ring_slot_positions(counts, self.sink, self.window, self.capacity, mask.span)
+        return mask.memo[key]
+
+    def rewrite(self, key: Tensor, value: Tensor, mask: ForwardMask, past: int) -> None:
+        """Write the new tokens that stay into their slots (prefill and chunks; every slot is rewritten)."""
+        span, q_len = mask.span, key.shape[2]
+        after = self._slot_positions(mask, past + q_len).long()  # [B', R]
+        new_positions = mask.new_positions()  # [B', q]
+        ordered = torch.where(new_positions < span, new_positions, -1).cummax(-1).values
+        token = torch.searchsorted(ordered, after).clamp(max=q_len - 1)  # the new token holding that position
+        from_new = (after >= mask.real_counts(past)[:, None]) & (after < span)
+        batch, heads, _, dim = self.keys.shape
+        index = token[:, None, :, None].expand(batch, heads, self.capacity, dim)
+        keep = from_new[:, None, :, None]
+        self.keys = torch.where(keep, self.pick_kv(key).gather(2, index), self.keys)
+        self.values = torch.where(keep, self.pick_kv(value).gather(2, index), self.values)
+
+    def write_one(self, key: Tensor, value: Tensor, mask: ForwardMask, tokens: int) -> None:
+        """Decode: the new token into its slot. A padding token goes to the next position's slot, whose key
+        no query of this step reads (its query is padding) and the next real token overwrites."""
+        found = mask.memo.get(("ring slot", self.sink, self.window))  # every layer of the forward writes there
+        if found is None:
+            counts = mask.real_counts(tokens)
+            real = (mask.new_positions()[:, 0] < mask.span).long()
+            slot = ring_slot_of(counts - real, self.sink, self.window)
+            found = mask.memo[("ring slot", self.sink, self.window)] = (
+                torch.arange(key.shape[0], device=key.device), slot)
+        rows, slot = found
+        self.keys[rows, :, slot] = self.pick_kv(key)[:, :, 0]
+        self.values[rows, :, slot] = self.pick_kv(value)[:, :, 0]
+
+    def attend(self, layer: SparseAttentionLayer, q: Tensor, key: Tensor, value: Tensor, mask: ForwardMask,
+               past: int, scale: float | None) -> Tensor:
+        q_group, tokens = self.pick_q(q), past + key.shape[2]
+        table = mask.table_positions()
+        if key.shape[2] == 1:  # decode: write, then attend every filled slot (they are the pattern's keys)
+            self.write_one(key, value, mask, tokens)
+            positions = mask.memo.get(("ring positions", self.sink, self.window, self.capacity))
+            if positions is None:
+                positions = Positions(table.q, self._slot_positions(mask, tokens), mask.span)
+                mask.memo[("ring positions", self.sink, self.window, self.capacity)] = positions
+            return layer.attention(q_group, self.keys, self.values, layer.decode_full_mode, positions=positions,
+                                   kv_heads=self.group.kv_heads, scale=scale)
+        # a chunk: the ring as it was and the new tokens, in the heads' own pattern, then the ring is rewritten
+        before = self._slot_positions(mask, past)
+        positions = Positions(table.q, torch.cat([before, mask.new_positions().int()], 1), mask.span)
+        keys = torch.cat([self.keys, self.pick_kv(key)], 2)
+        values = torch.cat([self.values, self.pick_kv(value)], 2)
+        out = layer.attention(q_group, keys, values, positions=positions, kv_heads=self.group.kv_heads, scale=scale)
+        self.rewrite(key, value, mask, past)
+        return out
+
+
+class SparseKVLayer(CacheLayerMixin):
+    """One layer of a :class:`SparseKVCache`: its head groups' buffers."""
+
+    is_compileable = False
+    is_croppable = False
+    is_sliding = False
+
+    def __init__(self, layer: SparseAttentionLayer, max_length: int | None = None) -> None:
+        super().__init__()
+        self.layer = layer
+        self.tokens = 0
+        options = layer.options
+        compiled = options["backend"] in ("auto", "flex")
+        self.groups: list[_GroupCache] = []
+        for group in layer.groups:
+            if group.kind == "ring":
+                self.groups.append(_Ring(group, layer.group_size, max_length))
+            else:
+                bucketed = compiled and (group.kind == "keep" or options["plan"] == "fused")
+                self.groups.append(_EveryKey(group, layer.group_size, bucketed, options["block_size"], max_length))
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        self.batch, self.dtype, self.device = key_states.shape[0], key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        """Record new keys/values ``[B, H_kv, q, d]`` for the attention function, which writes them into the
+        groups and attends; returns them unchanged."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        where = f"layer {self.layer.layer_idx} ({self.layer.path})"
+        if not self.layer.attached:
+            raise ValueError(f"{where}: this cache was built for an earlier conversion of the model (convert or "
+                             "revert ran since); start a new cache")
+        if key_states.shape[0] != self.batch or key_states.dtype != self.dtype:
+            raise ValueError(f"{where}: the sparse KV cache holds batch {self.batch} {self.dtype}, got keys of "
+                             f"batch {key_states.shape[0]} {key_states.dtype}")
+        if key_states.shape[1] != self.layer.attention.num_kv_heads:
+            raise ValueError(f"{where}: keys have {key_states.shape[1]} heads, the layer has "
+                             f"{self.layer.attention.num_kv_heads} KV heads")
+        self.layer.stage(self, key_states, value_states)
+        self.tokens += key_states.shape[2]
+        for group in self.groups:
+            group.reserve(key_states, self.tokens)
+        return key_states, value_states
+
+    def attend(self, q: Tensor, key: Tensor, value: Tensor, mask: ForwardMask | None, scale: float | None) -> Tensor:
+        """Attention output ``[B, H, q, d]`` of the staged update: every group as one call."""
+        layer, q_len = self.layer, q.shape[2]
+        past = self.tokens - q_len
+        if mask is None:
+            mask = ForwardMask(None, q.shape[0], q_len, self.tokens, q.device)
+        if (mask.q_len, mask.kv_len) != (q_len, self.tokens):
+            raise ValueError(f"layer {layer.layer_idx}: the mask covers {mask.q_len} queries of {mask.kv_len} "
+                             f"tokens, the cache has {q_len} new of {self.tokens}")
+        if past == 0:  # prefill: every head over the prompt, then the groups keep what they need
+            out = layer.attention(q, key, value, positions=mask.positions(), scale=scale)
+            for group in self.groups:
+                group.write(key, value, 0) if isinstance(group, _EveryKey) else group.rewrite(key, value, mask, 0)
+            return out
+        results = [(group.q_index, group.attend(layer, q, key, value, mask, past, scale)) for group in self.groups]
+        if len(results) == 1:
+            return results[0][1]
+        out = q.new_empty(q.shape)
+        for index, result in results:
+            index.put(out, result)
+        return out
+
+    # ----- transformers' Cache protocol ---------------------------------------------------------------------
+
+    def get_seq_length(self) -> int:
+        return self.tokens
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.tokens + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def memory_bytes(self) -> int:
+        return sum(group.memory_bytes() for group in self.groups)
+
+    def reset(self) -> None:
+        self.tokens = 0
+        for group in self.groups:
+            group.keys = group.values = None
+
+    def reorder_cache(self, beam_idx: Tensor) -> None:
+        for group in self.groups:
+            group.map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.batch *= repeats
+        for group in self.groups:
+            group.map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: Tensor) -> None:
+        for group in self.groups:
+            group.map_batch(lambda t: t[indices])
+        self.batch = next((g.keys.shape[0] for g in self.groups if g.keys is not None), self.batch)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("flexsparse's sparse KV cache cannot be cropped (its ring buffers drop old keys); "
+                                  "use a DynamicCache for assisted decoding")
+
+
+class SparseKVCache(Cache):
+    """The sparse KV cache of a converted model; ``generate()`` builds one by itself (see
+    :func:`flexsparse.convert`). ``max_length``: the most tokens the cache will hold, if known (sizes buffers)."""
+
+    def __init__(self, model: torch.nn.Module, max_length: int | None = None) -> None:
+        layers = sparse_layers(model)
+        if not layers:
+            raise ValueError("SparseKVCache needs a model converted with flexsparse.convert")
+        max_length = None if max_length is None else as_int("max_length", max_length, minimum=1)
+        super().__init__(layers=[SparseKVLayer(layer, max_length) for layer in layers])
+
+    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
+        return self.layers[layer_idx].update(key_states, value_states)
+
+    def memory_bytes(self) -> int:
+        """Bytes held by every layer's key and value buffers (allocated capacity)."""
+        return sum(layer.memory_bytes() for layer in self.layers)
+
+
+def kv_memory_formula(model: torch.nn.Module, batch: int, length: int, dtype: torch.dtype) -> int:
+    """KV bytes a converted model's cache needs for ``batch`` sequences of ``length`` tokens: per layer
+    ``2 B d bytes (H_every S + sum over rings H_ring min(S, sink + window))`` (the issue's formula), where every
+    head that is not a token-exact SinkWindow keeps all ``S`` tokens."""
+    layers = sparse_layers(model)
+    if not layers:
+        raise ValueError("kv_memory_formula needs a model converted with flexsparse.convert")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    total = 0
+    for layer in layers:
+        kept = 0
+        for group in layer.groups:
+            window = group.window
+            kept += len(group.kv_heads) * (min(length, window.sink + window.window) if window else length)
+        total += 2 * batch * layer.attention.head_dim * itemsize * kept
+    return total

@@ -1,0 +1,128 @@
+"""What a converted attention module carries: its HybridAttention, its modes, and how a sparse KV cache groups its
+heads.
+
+A KV head's pattern decides what the cache keeps for it (:class:`CacheGroup`):
+
+* ``"full"``: full causal heads keep every key and decode on SDPA over the cache's used length;
+* ``"keep"``: other patterns that read arbitrary history (ESA, XAttention, TriangleMix, combinations, SinkWindow
+  with ``unit > 1``) keep every key, in buffers of bucketed capacity so compiled flex never copies them;
+* ``"ring"``: token-exact :class:`~flexsparse.masks.SinkWindow` heads keep only the sink and the last ``window``
+  keys, in a ring buffer (one group per SinkWindow mode).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from torch import Tensor, nn
+
+from flexsparse.attention import HybridAttention
+from flexsparse.masks import Causal, Pattern, SinkWindow
+
+DECODE_FULL = "_decode_full"
+"""Name of the Causal pattern added to a layer whose patterns have no full one: a sink+window head decodes as full
+attention over its ring buffer (the ring holds exactly the keys its pattern attends)."""
+
+GroupKind = Literal["full", "keep", "ring"]
+
+
+@dataclass(frozen=True)
+class CacheGroup:
+    """KV heads of a layer that share a cache buffer. ``window`` is the SinkWindow of a ring group."""
+
+    kind: GroupKind
+    kv_heads: tuple[int, ...]
+    window: SinkWindow | None = None
+
+    def q_heads(self, group_size: int) -> list[int]:
+        """The query heads of these KV heads (GQA groups of ``group_size``)."""
+        return [h * group_size + i for h in self.kv_heads for i in range(group_size)]
+
+
+def cache_groups(patterns: Sequence[Pattern], modes: Sequence[int]) -> list[CacheGroup]:
+    """Groups of the KV heads by what the cache keeps for them: full, keep, then one ring per SinkWindow mode."""
+    kinds: dict[tuple, list[int]] = {}
+    for head, mode in enumerate(modes):
+        pattern = patterns[mode]
+        if isinstance(pattern, SinkWindow) and pattern.unit == 1:
+            key = ("ring", mode)
+        elif pattern.is_full and not pattern.is_dynamic:
+            key = ("full", -1)
+        else:
+            key = ("keep", -1)
+        kinds.setdefault(key, []).append(head)
+    order = sorted(kinds, key=lambda key: (("full", "keep", "ring").index(key[0]), key[1]))
+    return [CacheGroup(kind, tuple(kinds[(kind, mode)]), patterns[mode] if kind == "ring" else None)
+            for kind, mode in order]
+
+
+class SparseAttentionLayer(nn.Module):
+    """flexsparse's state on one converted attention module (registered on it as ``module.flexsparse``).
+
+    ``attention`` runs the layer; ``patterns`` and ``modes`` are the user's (names and per-KV-head indices);
+    ``groups`` is the sparse KV cache's head grouping for these modes. Between a cache's ``update`` and the
+    attention function, the layer holds the update (:meth:`stage`, :meth:`take_staged`).
+    """
+
+    def __init__(self, layer_idx: int, path: str, num_heads: int, num_kv_heads: int, head_dim: int,
+                 patterns: Mapping[str, Pattern], modes: Sequence[int], *, block_size: int, backend: str,
+                 plan: str) -> None:
+        super().__init__()
+        self.layer_idx, self.path = layer_idx, path
+        self.patterns = OrderedDict(patterns)
+        self.modes = tuple(modes)
+        self.options = {"block_size": block_size, "backend": backend, "plan": plan}
+        runtime_patterns = OrderedDict(self.patterns)
+        full = [i for i, p in enumerate(runtime_patterns.values()) if p.is_full and not p.is_dynamic]
+        if not full:
+            runtime_patterns[DECODE_FULL] = Causal()
+            full = [len(runtime_patterns) - 1]
+        self.decode_full_mode = full[0]
+        self.attention = HybridAttention(num_heads, num_kv_heads, head_dim, runtime_patterns, list(self.modes),
+                                         block_size=block_size, backend=backend, plan=plan)
+        self.groups = cache_groups(list(self.patterns.values()), self.modes)
+        self.attached = True
+        """False once convert or revert replaced this state: caches filled through it refuse further use."""
+        self._staged: tuple | None = None
+
+    @property
+    def mode_names(self) -> list[str]:
+        names = list(self.patterns)
+        return [names[m] for m in self.modes]
+
+    @property
+    def group_size(self) -> int:
+        return self.attention.num_heads // self.attention.num_kv_heads
+
+    def stage(self, cache_layer: object, key: Tensor, value: Tensor) -> None:
+        """Record a cache update of this layer until the attention function takes it."""
+        if self._staged is not None:
+            raise ValueError(f"layer {self.layer_idx} ({self.path}): the sparse KV cache was updated twice without "
+                             "an attention call between; the model must call transformers' attention function "
+                             "right after each cache update")
+        self._staged = (cache_layer, key, value)
+
+    def take_staged(self, key: Tensor, value: Tensor) -> object | None:
+        """The cache layer whose update produced ``key``/``value`` (None when no cache update is pending)."""
+        staged, self._staged = self._staged, None
+        if staged is None:
+            return None
+        cache_layer, staged_key, staged_value = staged
+        if staged_key is not key or staged_value is not value:
+            raise ValueError(f"layer {self.layer_idx} ({self.path}): the attention function received other keys or "
+                             "values than the sparse KV cache's update returned (the model transforms them after "
+                             "the update); flexsparse's cache cannot serve this model, pass use_cache=False or a "
+                             "DynamicCache")
+        return cache_layer
+
+    def extra_repr(self) -> str:
+        return f"layer_idx={self.layer_idx}, modes={self.mode_names}"
+
+
+def sparse_layers(model: nn.Module) -> list[SparseAttentionLayer]:
+    """The converted layers of ``model`` in layer order (empty when it is not converted)."""
+    found = [m for m in model.modules() if isinstance(m, SparseAttentionLayer)]
+    return sorted(found, key=lambda layer: layer.layer_idx)

@@ -1,0 +1,155 @@
+"""Saving and loading a converted model's flexsparse configuration: JSON, plus safetensors for learned weights.
+
+``save_config(model, directory)`` writes ``directory/flexsparse.json``::
+
+    {"format": "flexsparse.convert", "version": 1,
+     "model": {"class": "LlamaForCausalLM", "num_layers": 3, "num_heads": [4, 4, 4], "num_kv_heads": [2, 2, 2]},
+     "options": {"block_size": 128, "backend": "auto", "plan": "auto"},
+     "patterns": {"full": {"type": "causal"}, "ssa": {"type": "sink_window", "sink": 128, "window": 2048}},
+     "layers": [{"modes": ["full", "ssa"]}, {"modes": ["ssa", "ssa"]},
+                {"modes": ["ssa", "full"], "patterns": {...}}],     # "patterns" only where a layer has its own
+     "weights": "flexsparse.safetensors"}                            # only when some layer has learned tensors
+
+Learned tensors (parameters and persistent buffers of each layer's flexsparse state, e.g. a router added later)
+are stored in ``flexsparse.safetensors`` under ``layers.<index>.<name>``. ``load_config(model, directory)``
+converts ``model`` with the saved patterns, modes and options, then loads those tensors.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from flexsparse.integrations.layer import sparse_layers
+from flexsparse.integrations.transformers import attention_layers, convert, layer_heads
+from flexsparse.masks import ESA, Causal, Intersection, Pattern, SinkWindow, TriangleMix, Union, XAttention
+
+CONFIG_FILE = "flexsparse.json"
+WEIGHTS_FILE = "flexsparse.safetensors"
+FORMAT, VERSION = "flexsparse.convert", 1
+
+
+def pattern_to_dict(pattern: Pattern) -> dict:
+    """A JSON description of a pattern (the built-in ones and their unions / intersections; not subclasses, whose
+    behaviour JSON cannot carry)."""
+    kind = type(pattern)
+    if kind is Causal:
+        return {"type": "causal"}
+    if kind is SinkWindow:
+        return {"type": "sink_window", "sink": pattern.sink, "window": pattern.window, "unit": pattern.unit}
+    if kind is ESA:
+        return {"type": "esa", "layer_idx": pattern.layer_idx, "num_layers": pattern.num_layers,
+                "attn_length": pattern.attn_length, "num_heads": pattern.num_heads}
+    if kind is TriangleMix:
+        return {"type": "triangle_mix", "sink": pattern.local.sink, "window": pattern.local.window,
+                "last_q": pattern.last_q}
+    if kind is XAttention:
+        threshold = pattern.threshold.tolist()
+        return {"type": "xattention", "threshold": threshold[0] if len(threshold) == 1 else threshold,
+                "stride": pattern.stride, "block_size": pattern.block_size, "rule": pattern.rule}
+    if kind in (Union, Intersection):
+        return {"type": pattern.name, "parts": [pattern_to_dict(p) for p in pattern.parts]}
+    raise TypeError(f"save_config cannot describe {pattern!r} ({type(pattern).__name__}) in JSON; it supports "
+                    "Causal, SinkWindow, ESA, TriangleMix, XAttention and their unions and intersections")
+
+
+_CLASSES = {"causal": Causal, "sink_window": SinkWindow, "esa": ESA, "triangle_mix": TriangleMix,
+            "xattention": XAttention}
+
+
+def pattern_from_dict(spec: dict) -> Pattern:
+    """The pattern a :func:`pattern_to_dict` description stands for."""
+    if not isinstance(spec, dict) or "type" not in spec:
+        raise ValueError(f"a pattern description is a dict with a 'type', got {spec!r}")
+    kind, args = spec["type"], {k: v for k, v in spec.items() if k != "type"}
+    if kind in ("union", "intersection"):
+        parts = [pattern_from_dict(p) for p in args.get("parts", [])]
+        return (Union if kind == "union" else Intersection)(*parts)
+    if kind not in _CLASSES:
+        raise ValueError(f"unknown pattern type {kind!r}; known: {sorted(_CLASSES) + ['intersection', 'union']}")
+    try:
+        return _CLASSES[kind](**args)
+    except TypeError as err:
+        raise ValueError(f"bad arguments for pattern {spec!r}: {err}") from err
+
+
+def _patterns_to_dict(patterns) -> dict:
+    return {name: pattern_to_dict(p) for name, p in patterns.items()}
+
+
+def save_config(model: nn.Module, directory: str | Path) -> Path:
+    """Write the converted model's flexsparse configuration (and learned tensors, if any) into ``directory``;
+    returns the JSON file's path."""
+    layers = sparse_layers(model)
+    if not layers:
+        raise ValueError("save_config: the model was not converted by flexsparse.convert")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    shared = _patterns_to_dict(layers[0].patterns)
+    entries = []
+    tensors: dict[str, torch.Tensor] = {}
+    for layer in layers:
+        entry = {"modes": layer.mode_names}
+        own = _patterns_to_dict(layer.patterns)
+        if own != shared:
+            entry["patterns"] = own
+        entries.append(entry)
+        for name, tensor in layer.state_dict().items():
+            tensors[f"layers.{layer.layer_idx}.{name}"] = tensor.detach().cpu().contiguous()
+    config = {
+        "format": FORMAT, "version": VERSION,
+        "model": {"class": type(model).__name__, "num_layers": len(layers),
+                  "num_heads": [layer.attention.num_heads for layer in layers],
+                  "num_kv_heads": [layer.attention.num_kv_heads for layer in layers]},
+        "options": dict(layers[0].options),
+        "patterns": shared,
+        "layers": entries,
+    }
+    if tensors:
+        from safetensors.torch import save_file
+
+        save_file(tensors, str(directory / WEIGHTS_FILE))
+        config["weights"] = WEIGHTS_FILE
+    path = directory / CONFIG_FILE
+    path.write_text(json.dumps(config, indent=2) + "\n")
+    return path
+
+
+def load_config(model: nn.Module, directory: str | Path) -> nn.Module:
+    """Convert ``model`` as the saved configuration says (patterns, modes, options) and load its learned tensors;
+    returns the model. The model must have the saved layer and head counts."""
+    directory = Path(directory)
+    path = directory / CONFIG_FILE if directory.is_dir() else directory
+    config = json.loads(path.read_text())
+    if config.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a flexsparse configuration (format {config.get('format')!r})")
+    if config.get("version") != VERSION:
+        raise ValueError(f"{path} has version {config.get('version')!r}; this flexsparse reads version {VERSION}")
+    saved = config["model"]
+    modules = attention_layers(model)
+    if len(modules) != saved["num_layers"]:
+        raise ValueError(f"{path} was saved for {saved['num_layers']} layers, the model has {len(modules)}")
+    for index, ((_, module), heads, kv_heads) in enumerate(zip(modules, saved["num_heads"], saved["num_kv_heads"])):
+        found = layer_heads(module)[:2]
+        if found != (heads, kv_heads):
+            raise ValueError(f"layer {index}: {path} was saved for {heads} query / {kv_heads} KV heads, the model "
+                             f"has {found[0]} / {found[1]}")
+    patterns = [{name: pattern_from_dict(spec) for name, spec in entry.get("patterns", config["patterns"]).items()}
+                for entry in config["layers"]]
+    convert(model, patterns, [entry["modes"] for entry in config["layers"]], **config.get("options", {}))
+    if "weights" in config:
+        from safetensors.torch import load_file
+
+        tensors = load_file(str(path.parent / config["weights"]))
+        for layer in sparse_layers(model):
+            prefix = f"layers.{layer.layer_idx}."
+            own = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+            unknown = sorted(set(own) - set(layer.state_dict()))
+            if unknown:
+                raise ValueError(f"layer {layer.layer_idx}: {path} holds learned tensors {unknown} that this "
+                                 "flexsparse cannot rebuild (a newer version saved them)")
+            layer.load_state_dict(own, strict=True)
+    return model

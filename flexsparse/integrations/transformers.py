@@ -1,0 +1,309 @@
+"""flexsparse inside transformers causal LMs, through transformers' own registries (no model code copied or patched).
+
+:func:`convert` registers two functions under the name ``"flexsparse"`` and switches the model to it with
+``model.set_attn_implementation``:
+
+* an attention function (``AttentionInterface``), called by every attention module with its q/k/v; it runs the
+  module's :class:`~flexsparse.integrations.layer.SparseAttentionLayer` (kept on the module as
+  ``module.flexsparse``: a HybridAttention and the layer's modes);
+* a mask function (``AttentionMaskInterface``), called once per forward by ``create_causal_mask``; instead of a
+  4-D mask it returns a :class:`~flexsparse.integrations.forward_mask.ForwardMask` holding the 2-D padding mask,
+  from which every layer takes shared token positions.
+
+``generate()`` gets a :class:`~flexsparse.integrations.kv_cache.SparseKVCache` through the model's
+``_prepare_cache_for_generation`` hook, overridden on the converted *instance* (the class is untouched): it runs
+transformers' own preparation and replaces the default DynamicCache it builds (when the user passed no cache, no
+``cache_implementation`` other than "dynamic", and the model is not an assistant) with a sparse cache sized for
+``generate``'s maximum length. :func:`revert` removes the override, the per-module state and restores the
+model's previous attention implementation.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import Tensor, nn
+from transformers.cache_utils import DynamicCache
+from transformers.masking_utils import AttentionMaskInterface, causal_mask_function
+from transformers.modeling_utils import AttentionInterface, PreTrainedModel
+
+from flexsparse.integrations.forward_mask import ForwardMask
+from flexsparse.integrations.kv_cache import SparseKVCache
+from flexsparse.integrations.layer import SparseAttentionLayer, sparse_layers
+from flexsparse.masks import Pattern
+from flexsparse.validation import as_int
+
+ATTENTION_NAME = "flexsparse"
+"""The name flexsparse registers in transformers' attention and mask registries."""
+
+_UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks")
+
+
+# ----- the registered functions ----------------------------------------------------------------------------------
+
+def flexsparse_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int | Tensor | None = None,
+                    kv_offset: int = 0, mask_function=causal_mask_function, attention_mask: Tensor | None = None,
+                    device: torch.device | str = "cpu", **kwargs) -> ForwardMask:
+    """transformers mask function: the 2-D padding mask of this forward, cut or padded to ``kv_length`` keys.
+    ``q_offset``: the queries' first key slot (transformers passes the cached length); None: the last slots."""
+    if mask_function is not causal_mask_function:
+        raise ValueError("flexsparse runs causal attention with a 2-D padding mask; this model asked for another "
+                         "mask (a sliding window, packed sequences, bidirectional or custom mask functions)")
+    if kv_offset:
+        raise ValueError(f"flexsparse needs every cached key (kv_offset 0), got kv_offset={kv_offset}")
+    padding = None
+    if attention_mask is not None:
+        padding = attention_mask[:, :kv_length].to(device=device, dtype=torch.bool)
+        if padding.shape[1] < kv_length:  # a static cache's empty slots
+            padding = torch.nn.functional.pad(padding, (0, kv_length - padding.shape[1]), value=False)
+    # queries follow the cached tokens; in a static cache that is not the end of the keys (its offset is a tensor:
+    # one host sync per forward, static caches only)
+    q_start = int(q_offset) if q_offset is not None and q_length < kv_length else None
+    return ForwardMask(padding, batch_size, q_length, kv_length, device, q_start)
+
+
+def flexsparse_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                         attention_mask: ForwardMask | None, scaling: float | None = None, dropout: float = 0.0,
+                         **kwargs) -> tuple[Tensor, None]:
+    """transformers attention function: q ``[B, H, S_q, d]``, k/v ``[B, H_kv, S_kv, d]`` -> ``[B, S_q, H, d]``."""
+    layer = getattr(module, "flexsparse", None)
+    if not isinstance(layer, SparseAttentionLayer):
+        raise ValueError(f"attention module {type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) "
+                         "was not converted by flexsparse.convert")
+    where = f"layer {layer.layer_idx} ({layer.path})"
+    if kwargs.get("sliding_window") is not None:
+        raise ValueError(f"{where}: the model asks for its own sliding window ({kwargs['sliding_window']}); "
+                         "flexsparse replaces the layer's attention pattern, see flexsparse.convert")
+    for name in _UNSUPPORTED_KWARGS:
+        if kwargs.get(name) is not None:
+            raise ValueError(f"{where}: flexsparse does not support the attention argument {name!r}")
+    if dropout and module.training:
+        raise ValueError(f"{where}: flexsparse has no attention dropout (got dropout={dropout}); set the model's "
+                         "attention_dropout to 0")
+    if attention_mask is not None and not isinstance(attention_mask, ForwardMask):
+        raise ValueError(f"{where}: flexsparse needs transformers' 2-D padding mask, got a "
+                         f"{type(attention_mask).__name__} mask (a prepared 4-D mask, or a model that builds its own "
+                         "masks instead of create_causal_mask)")
+    scale = None if scaling is None else float(scaling)
+    cache_layer = layer.take_staged(key, value)
+    if cache_layer is not None:
+        out = cache_layer.attend(query, key, value, attention_mask, scale)
+    else:
+        if attention_mask is not None and attention_mask.kv_len != key.shape[2]:
+            raise ValueError(f"{where}: the mask covers {attention_mask.kv_len} keys, the layer got {key.shape[2]}")
+        positions = None if attention_mask is None else attention_mask.positions()
+        out = layer.attention(query, key, value, positions=positions, scale=scale)
+    return out.transpose(1, 2), None
+
+
+def register() -> None:
+    """Register flexsparse's attention and mask functions with transformers (idempotent)."""
+    AttentionInterface.register(ATTENTION_NAME, flexsparse_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, flexsparse_mask)
+
+
+# ----- finding a model's attention layers ------------------------------------------------------------------------
+
+def _text_config(model: nn.Module):
+    config = getattr(model, "config", None)
+    if not isinstance(model, PreTrainedModel) or config is None:
+        raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError("flexsparse.convert supports decoder-only causal LMs, got an encoder-decoder model")
+    return config.get_text_config(decoder=True)
+
+
+def _routes_through_registry(module: nn.Module) -> bool:
+    """Whether the module's forward calls transformers' attention registry (the source names it)."""
+    try:
+        source = inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return False
+    return "ALL_ATTENTION_FUNCTIONS" in source
+
+
+def attention_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(path, module)`` of each decoder layer's self-attention, in layer order; ValueError naming the layer when
+    a layer has none, several, or one that does not call transformers' attention registry or is not causal."""
+    config = _text_config(model)
+    num_layers = as_int("num_hidden_layers", config.num_hidden_layers, minimum=1)
+    found: dict[int, list[tuple[str, nn.Module]]] = {}
+    for path, module in model.named_modules():
+        index = getattr(module, "layer_idx", None)
+        if isinstance(index, int) and isinstance(getattr(module, "head_dim", None), int) and hasattr(module, "config"):
+            found.setdefault(index, []).append((path, module))
+    layer_types = getattr(config, "layer_types", None)
+    layers = []
+    for index in range(num_layers):
+        candidates = found.get(index, [])
+        if len(candidates) != 1:
+            what = "no attention module" if not candidates else f"{len(candidates)} attention modules " + \
+                ", ".join(path for path, _ in candidates)
+            raise ValueError(f"layer {index}: found {what} (a module with layer_idx={index} and head_dim); "
+                             "flexsparse.convert supports models whose layers have one self-attention module")
+        path, module = candidates[0]
+        where = f"layer {index} ({path}, {type(module).__name__})"
+        if not _routes_through_registry(module):
+            raise ValueError(f"{where} does not call transformers' attention registry (ALL_ATTENTION_FUNCTIONS); "
+                             "flexsparse can only replace attention that goes through it")
+        if getattr(module, "is_causal", True) is not True:
+            raise ValueError(f"{where} is not causal; flexsparse supports causal self-attention only")
+        layer_type = None if layer_types is None else layer_types[index]
+        window = getattr(module, "sliding_window", None)
+        if layer_types is None and window is None:
+            window = getattr(config, "sliding_window", None)
+        if (layer_type not in (None, "full_attention")) or window is not None:
+            raise ValueError(f"{where} uses the model's own {layer_type or 'sliding-window'} attention "
+                             f"(sliding_window={window}); flexsparse replaces a layer's attention with your patterns, "
+                             "so convert a model built with full attention (e.g. sliding_window=None) and express a "
+                             "window as a pattern, e.g. SinkWindow(sink=0, window=...)")
+        layers.append((path, module))
+    return layers
+
+
+# ----- convert / revert --------------------------------------------------------------------------------------------
+
+def _layer_patterns(patterns, num_layers: int) -> list[Mapping[str, Pattern]]:
+    if isinstance(patterns, Mapping):
+        return [patterns] * num_layers
+    if isinstance(patterns, Sequence) and not isinstance(patterns, (str, bytes)):
+        if len(patterns) != num_layers:
+            raise ValueError(f"patterns has {len(patterns)} per-layer entries, the model has {num_layers} layers")
+        for index, entry in enumerate(patterns):
+            if not isinstance(entry, Mapping):
+                raise TypeError(f"patterns for layer {index} must map names to Patterns, got {type(entry).__name__}")
+        return list(patterns)
+    raise TypeError("patterns must map names to Patterns (shared by every layer), or be one such mapping per layer, "
+                    f"got {type(patterns).__name__}")
+
+
+def _layer_modes(modes, patterns: list[Mapping[str, Pattern]], kv_heads: list[int]) -> list[list[int]]:
+    """Per layer, per KV head mode indices; errors name the layer and the head."""
+    if isinstance(modes, (str, bytes)) or not isinstance(modes, Sequence):
+        raise TypeError(f"modes must be one list of per-KV-head pattern names or indices per layer, got "
+                        f"{type(modes).__name__}")
+    if len(modes) != len(patterns):
+        raise ValueError(f"modes has {len(modes)} layers, the model has {len(patterns)}")
+    result = []
+    for index, (layer_modes, layer_patterns, heads) in enumerate(zip(modes, patterns, kv_heads)):
+        if isinstance(layer_modes, Tensor):
+            layer_modes = layer_modes.tolist()
+        if isinstance(layer_modes, (str, bytes)) or not isinstance(layer_modes, Sequence):
+            raise TypeError(f"modes for layer {index} must be a list of per-KV-head names or indices, got "
+                            f"{type(layer_modes).__name__}")
+        if len(layer_modes) != heads:
+            raise ValueError(f"modes for layer {index} has {len(layer_modes)} entries, layer {index} has {heads} "
+                             "KV heads")
+        names = list(layer_patterns)
+        indices = []
+        for head, mode in enumerate(layer_modes):
+            if isinstance(mode, str):
+                if mode not in layer_patterns:
+                    raise ValueError(f"modes for layer {index}, KV head {head} names unknown pattern {mode!r}; "
+                                     f"known: {names}")
+                indices.append(names.index(mode))
+            else:
+                try:
+                    indices.append(as_int("mode", mode, minimum=0, maximum=len(names) - 1))
+                except (TypeError, ValueError):
+                    raise ValueError(f"modes for layer {index}, KV head {head} must be a pattern name or an index "
+                                     f"< {len(names)}, got {mode!r}") from None
+        result.append(indices)
+    return result
+
+
+def layer_heads(module: nn.Module) -> tuple[int, int, int]:
+    """(query heads, KV heads, head_dim) of an attention module."""
+    config = module.config
+    num_heads = as_int("num_attention_heads", config.num_attention_heads, minimum=1)
+    num_kv = getattr(config, "num_key_value_heads", None) or num_heads
+    return num_heads, as_int("num_key_value_heads", num_kv, minimum=1), module.head_dim
+
+
+def convert(model: PreTrainedModel, patterns: Mapping[str, Pattern] | Sequence[Mapping[str, Pattern]],
+            modes: Sequence[Sequence[str | int]], *, block_size: int = 128, backend: str = "auto",
+            plan: str = "auto") -> PreTrainedModel:
+    """Run ``model``'s attention through flexsparse, in place; returns the model.
+
+    ``patterns``: name -> Pattern shared by every layer, or one such mapping per layer. ``modes``: one list per
+    layer of per-KV-head pattern names or indices. ``block_size``, ``backend``, ``plan``: HybridAttention's. A
+    converted model's forward runs every layer through its HybridAttention (padded batches included) and its
+    ``generate()`` uses a :class:`SparseKVCache`. Converting a converted model replaces its configuration.
+    """
+    register()
+    layers = attention_layers(model)
+    per_layer = _layer_patterns(patterns, len(layers))
+    heads = [layer_heads(module) for _, module in layers]
+    mode_indices = _layer_modes(modes, per_layer, [kv for _, kv, _ in heads])
+    states = []
+    for index, ((path, module), layer_patterns, (num_heads, num_kv, dim), layer_modes) in enumerate(
+            zip(layers, per_layer, heads, mode_indices)):
+        try:
+            state = SparseAttentionLayer(index, path, num_heads, num_kv, dim, layer_patterns, layer_modes,
+                                         block_size=block_size, backend=backend, plan=plan)
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"layer {index} ({path}): {err}") from err
+        parameter = next(module.parameters(), None)
+        states.append(state if parameter is None else state.to(parameter.device))
+    previous = getattr(model, "_flexsparse_previous_attention", None) or model.config._attn_implementation
+    _detach(model)
+    for (_, module), state in zip(layers, states):
+        module.flexsparse = state
+    model.set_attn_implementation(ATTENTION_NAME)
+    if model.config._attn_implementation != ATTENTION_NAME:
+        for _, module in layers:
+            del module.flexsparse
+        raise ValueError(f"{type(model).__name__} does not let transformers set its attention implementation "
+                         "(set_attn_implementation refused), so flexsparse cannot route its attention")
+    model._flexsparse_previous_attention = previous
+    model._prepare_cache_for_generation = types.MethodType(_prepare_sparse_cache, model)
+    return model
+
+
+def revert(model: PreTrainedModel) -> PreTrainedModel:
+    """Undo :func:`convert`: the model's previous attention implementation, no flexsparse state, no cache hook."""
+    if not sparse_layers(model):
+        raise ValueError("revert: the model was not converted by flexsparse.convert")
+    _detach(model)
+    previous = model.__dict__.pop("_flexsparse_previous_attention", None) or "sdpa"
+    model.__dict__.pop("_prepare_cache_for_generation", None)
+    model.set_attn_implementation(previous)
+    return model
+
+
+def _detach(model: nn.Module) -> None:
+    """Remove every flexsparse state from the model's modules (caches built on them refuse further use)."""
+    for module in list(model.modules()):
+        state = getattr(module, "flexsparse", None)
+        if isinstance(state, SparseAttentionLayer):
+            state.attached = False
+            del module.flexsparse
+
+
+def is_converted(model: nn.Module) -> bool:
+    return bool(sparse_layers(model))
+
+
+def layer_modes(model: nn.Module) -> list[list[str]]:
+    """Each converted layer's per-KV-head mode names."""
+    return [layer.mode_names for layer in sparse_layers(model)]
+
+
+def _prepare_sparse_cache(self, generation_config, model_kwargs: dict, *args, **kwargs):
+    """``generate()``'s cache preparation on a converted model: transformers' own, then its default DynamicCache
+    replaced by a SparseKVCache sized for the generation (``max_cache_length``, the last positional argument)."""
+    type(self)._prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs)
+    cache = model_kwargs.get("past_key_values")
+    if getattr(cache, "is_compileable", False):
+        raise ValueError("generate() with a static (compileable) cache prepares 4-D masks, which flexsparse's "
+                         "attention does not take; use the default sparse KV cache or a DynamicCache (a static "
+                         "cache works in direct model calls)")
+    max_length = kwargs.get("max_cache_length", args[-1] if args else None)
+    if (type(cache) is DynamicCache and not getattr(cache, "_is_user_defined", False)
+            and generation_config.cache_implementation in (None, "dynamic")
+            and not getattr(generation_config, "is_assistant", False)):
+        model_kwargs["past_key_values"] = SparseKVCache(self, max_length=max_length)
+

@@ -1,0 +1,70 @@
+"""Tiny random transformers causal LMs (fp32, CPU) and helpers for the integration tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 96, 3, 4, 2, 16
+
+
+def tiny_config(kind: str, **overrides):
+    common = dict(vocab_size=VOCAB, hidden_size=HEADS * HEAD_DIM, intermediate_size=96, num_hidden_layers=LAYERS,
+                  num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=256,
+                  initializer_range=0.1, attn_implementation="sdpa", pad_token_id=0, eos_token_id=None,
+                  bos_token_id=None)
+    if kind == "llama":
+        return transformers.LlamaConfig(**{**common, **overrides})
+    if kind == "qwen3":
+        return transformers.Qwen3Config(**{**common, "head_dim": HEAD_DIM, **overrides})
+    if kind == "mistral":
+        return transformers.MistralConfig(**{**common, "head_dim": HEAD_DIM, "sliding_window": None, **overrides})
+    raise ValueError(kind)
+
+
+MODEL_CLASSES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
+
+
+def tiny_model(kind: str = "llama", seed: int = 0, **overrides):
+    torch.manual_seed(seed)
+    model = getattr(transformers, MODEL_CLASSES[kind])(tiny_config(kind, **overrides))
+    return model.eval()
+
+
+def left_padded(lengths: list[int], seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and attention mask ``[B, max(lengths)]`` with the padding on the left."""
+    gen = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        ids[row, width - n:] = torch.randint(1, VOCAB, (n,), generator=gen)
+        mask[row, width - n:] = 1
+    return ids, mask
+
+
+def right_padded(lengths: list[int], seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    ids, mask = left_padded(lengths, seed)
+    for row, n in enumerate(lengths):
+        ids[row] = torch.roll(ids[row], -(ids.shape[1] - n))
+        mask[row] = torch.roll(mask[row], -(ids.shape[1] - n))
+    return ids, mask
+
+
+def greedy(model, ids, mask, new_tokens: int, **kwargs) -> torch.Tensor:
+    """``generate``'s greedy tokens after the prompt, ``[B, new_tokens]``."""
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             do_sample=False, **kwargs)
+    return out[:, ids.shape[1]:]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matrices: one thread avoids contention with other processes on a 2-core machine (60x faster)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

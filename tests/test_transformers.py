@@ -1,0 +1,375 @@
+"""flexsparse.convert on tiny random transformers models (Llama, Qwen3 with q/k norms, Mistral), fp32 on CPU.
+
+All-full heads give the model's own sdpa logits (atol 1e-4), padded batches too; mixed modes generate with the
+sparse KV cache the tokens of a full recompute through HybridAttention at every step (use_cache=False); padded
+batches give each sequence its own logits and tokens; errors name the layer and head; configurations round-trip.
+The CPU tests run the dense backend (masked SDPA on the patterns' dense references, the fastest on CPU at these
+sizes) and one flex_eager run; GPU tests (marked gpu) run compiled flex.
+"""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from flexsparse.integrations import (
+    SparseKVCache,
+    convert,
+    is_converted,
+    layer_modes,
+    load_config,
+    revert,
+    save_config,
+)
+from flexsparse.masks import ESA, Causal, SinkWindow, TriangleMix
+from tests.hf_util import (
+    KV_HEADS,
+    LAYERS,
+    greedy,
+    left_padded,
+    one_thread,  # noqa: F401  (autouse fixture)
+    right_padded,
+    tiny_model,
+    transformers,
+)
+
+MODELS = ["llama", "qwen3", "mistral"]
+PATTERNS = {"full": Causal(), "ssa": SinkWindow(2, 6), "ssa2": SinkWindow(0, 5)}
+ALL_FULL = [["full"] * KV_HEADS] * LAYERS
+MIXED = [["full", "ssa"], ["ssa2", "esa"], ["ssa", "ssa"]]  # per layer and head; layers 1 and 2 have no full head
+
+
+def mixed_patterns():
+    """Shared patterns plus a per-layer ESA (it keeps every key in the cache)."""
+    return [{**PATTERNS, "esa": ESA(layer, LAYERS, 3, 4)} for layer in range(LAYERS)]
+
+
+def logits(model, ids, mask=None):
+    with torch.no_grad():
+        return model(ids, attention_mask=mask).logits
+
+
+@pytest.mark.parametrize("kind", MODELS)
+@pytest.mark.parametrize("padding", ["none", "left", "right"])
+def test_all_full_logits_equal_the_models_own_sdpa(kind, padding):
+    model = tiny_model(kind)
+    lengths = [13, 13] if padding == "none" else [13, 7]
+    ids, mask = (left_padded if padding != "right" else right_padded)(lengths)
+    expected = logits(model, ids, mask)
+    convert(model, PATTERNS, ALL_FULL, backend="dense")
+    assert model.config._attn_implementation == "flexsparse"
+    real = mask.bool()
+    torch.testing.assert_close(logits(model, ids, mask)[real], expected[real], atol=1e-4, rtol=0)
+
+
+def test_all_full_flex_eager_and_split_plan_equal_sdpa():
+    model = tiny_model("llama")
+    ids, mask = left_padded([11, 6])
+    expected = logits(model, ids, mask)
+    convert(model, PATTERNS, ALL_FULL, backend="flex_eager", plan="split")
+    real = mask.bool()
+    torch.testing.assert_close(logits(model, ids, mask)[real], expected[real], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("pad", [left_padded, right_padded])
+def test_padded_batch_logits_equal_each_sequence_alone(pad):
+    model = convert(tiny_model("qwen3"), mixed_patterns(), MIXED, backend="dense")
+    lengths = [17, 5, 11]
+    ids, mask = pad(lengths)
+    batched = logits(model, ids, mask)
+    for row, n in enumerate(lengths):
+        real = mask[row].bool()
+        alone = logits(model, ids[row:row + 1, real])
+        torch.testing.assert_close(batched[row, real], alone[0], atol=1e-4, rtol=0)
+
+
+def test_training_gradients_through_all_full_heads_equal_sdpa():
+    """backend="auto" on CPU with gradients runs the dense executor: the model's gradients are sdpa's."""
+    ids, mask = left_padded([10, 6])
+    grads = []
+    for converted in (False, True):
+        model = tiny_model("llama").train()
+        if converted:
+            convert(model, PATTERNS, ALL_FULL)
+        labels = ids.masked_fill(mask == 0, -100)
+        model(ids, attention_mask=mask, labels=labels, use_cache=False).loss.backward()
+        grads.append(model.model.layers[1].self_attn.q_proj.weight.grad)
+    torch.testing.assert_close(grads[1], grads[0], atol=1e-5, rtol=1e-4)
+
+
+def test_the_patterns_change_the_output():
+    """Guard for the tests above and below: the mixed modes are not the full model in disguise."""
+    model = tiny_model("llama")
+    ids, _ = left_padded([20])
+    full = logits(model, ids)
+    convert(model, mixed_patterns(), MIXED, backend="dense")
+    assert (logits(model, ids) - full).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_sparse_cache_generation_equals_full_recompute(kind):
+    """Left-padded prompts of 5 and 20 tokens (shorter / longer than sink + window = 8), 32 new tokens."""
+    model = convert(tiny_model(kind), mixed_patterns(), MIXED, backend="dense")
+    ids, mask = left_padded([5, 20])
+    with torch.no_grad():
+        cached = model.generate(ids, attention_mask=mask, max_new_tokens=32, min_new_tokens=32, do_sample=False,
+                                return_dict_in_generate=True, output_logits=True)
+        recomputed = model.generate(ids, attention_mask=mask, max_new_tokens=32, min_new_tokens=32,
+                                    do_sample=False, use_cache=False, return_dict_in_generate=True,
+                                    output_logits=True)
+    assert isinstance(cached.past_key_values, SparseKVCache)
+    assert torch.equal(cached.sequences, recomputed.sequences)
+    torch.testing.assert_close(torch.stack(cached.logits), torch.stack(recomputed.logits), atol=1e-4, rtol=0)
+
+
+def test_sparse_cache_generation_with_interleaved_head_groups():
+    """Four KV heads alternating full / sink+window: the groups are not contiguous head ranges."""
+    model = tiny_model("llama", num_attention_heads=8, num_key_value_heads=4, hidden_size=128)
+    modes = [["full", "ssa", "full", "ssa2"], ["ssa", "full", "ssa", "full"], ["ssa2", "ssa", "ssa2", "ssa"]]
+    convert(model, PATTERNS, modes, backend="dense")
+    ids, mask = left_padded([6, 17])
+    assert torch.equal(greedy(model, ids, mask, 32), greedy(model, ids, mask, 32, use_cache=False))
+
+
+def test_sparse_cache_generation_on_the_flex_eager_backend():
+    """The flex executors (eager flex_attention is slow on CPU: fewer tokens)."""
+    model = convert(tiny_model("llama"), mixed_patterns(), MIXED, backend="flex_eager")
+    ids, mask = left_padded([3, 10])
+    assert torch.equal(greedy(model, ids, mask, 10), greedy(model, ids, mask, 10, use_cache=False))
+
+
+def test_left_padded_generation_equals_each_sequence_alone():
+    model = convert(tiny_model("mistral"), mixed_patterns(), MIXED, backend="dense")
+    lengths = [19, 3, 9]
+    ids, mask = left_padded(lengths)
+    batched = greedy(model, ids, mask, 32)
+    for row, n in enumerate(lengths):
+        alone = greedy(model, ids[row:row + 1, -n:], mask[row:row + 1, -n:], 32)
+        assert torch.equal(batched[row], alone[0]), f"sequence {row}"
+
+
+def test_greedy_beam_search_with_the_sparse_cache_equals_recompute():
+    model = convert(tiny_model("llama"), PATTERNS, [["full", "ssa"], ["ssa", "ssa2"], ["ssa", "full"]],
+                    backend="dense")
+    ids, mask = left_padded([10, 6])
+    kwargs = dict(num_beams=2, num_return_sequences=2)
+    assert torch.equal(greedy(model, ids, mask, 12, **kwargs), greedy(model, ids, mask, 12, use_cache=False, **kwargs))
+
+
+def test_a_dynamic_cache_still_works_on_a_converted_model():
+    """Given a DynamicCache, every head keeps every key and decode reads the whole prefix."""
+    model = convert(tiny_model("llama"), PATTERNS, [["full", "ssa"], ["ssa", "ssa2"], ["ssa", "full"]],
+                    backend="dense")
+    ids, mask = left_padded([9, 14])
+    dynamic = greedy(model, ids, mask, 16, past_key_values=transformers.DynamicCache())
+    assert torch.equal(dynamic, greedy(model, ids, mask, 16))
+
+
+def test_a_static_cache_in_direct_calls_and_its_refusal_in_generate():
+    """A static cache keeps every key; its queries sit before its empty slots. generate() prepares 4-D masks for
+    it, which flexsparse refuses clearly."""
+    model = convert(tiny_model("llama"), mixed_patterns(), MIXED, backend="dense")
+    ids, mask = left_padded([12, 7])
+    expected = logits(model, ids, mask)
+    cache = transformers.StaticCache(config=model.config, max_cache_len=24)
+    with torch.no_grad():
+        pieces = [model(ids[:, :8], attention_mask=mask[:, :8], past_key_values=cache).logits]
+        pieces += [model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], past_key_values=cache).logits
+                   for t in range(8, 12)]
+    real = mask.bool()
+    torch.testing.assert_close(torch.cat(pieces, 1)[real], expected[real], atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match="static"):
+        greedy(model, ids, mask, 4, cache_implementation="static")
+
+
+def test_revert_restores_the_models_attention():
+    model = tiny_model("llama")
+    ids, mask = left_padded([8, 12])
+    before = logits(model, ids, mask)
+    convert(model, mixed_patterns(), MIXED, backend="dense")
+    assert is_converted(model) and layer_modes(model) == MIXED
+    assert hasattr(model.model.layers[0].self_attn, "flexsparse")
+    revert(model)
+    assert not is_converted(model) and model.config._attn_implementation == "sdpa"
+    assert not hasattr(model.model.layers[0].self_attn, "flexsparse")
+    assert "_prepare_cache_for_generation" not in model.__dict__
+    torch.testing.assert_close(logits(model, ids, mask), before, atol=0, rtol=0)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=2, return_dict_in_generate=True)
+    assert type(out.past_key_values) is transformers.DynamicCache
+    with pytest.raises(ValueError, match="not converted"):
+        revert(model)
+
+
+def test_other_instances_of_the_class_are_untouched():
+    converted, other = tiny_model("llama"), tiny_model("llama", seed=1)
+    convert(converted, PATTERNS, ALL_FULL, backend="dense")
+    ids, mask = left_padded([6])
+    with torch.no_grad():
+        out = other.generate(ids, attention_mask=mask, max_new_tokens=2, return_dict_in_generate=True)
+    assert type(out.past_key_values) is transformers.DynamicCache
+    assert other.config._attn_implementation == "sdpa"
+
+
+def test_save_and_load_config_round_trip(tmp_path):
+    model = convert(tiny_model("qwen3"), mixed_patterns(), MIXED, block_size=64, backend="dense", plan="split")
+    path = save_config(model, tmp_path / "run")
+    saved = json.loads(path.read_text())
+    assert saved["layers"][0]["modes"] == ["full", "ssa"] and "weights" not in saved
+    assert saved["options"] == {"block_size": 64, "backend": "dense", "plan": "split"}
+    assert saved["layers"][1]["patterns"]["esa"] == {"type": "esa", "layer_idx": 1, "num_layers": 3,
+                                                      "attn_length": 3, "num_heads": 4}
+    fresh = load_config(tiny_model("qwen3"), tmp_path / "run")
+    assert layer_modes(fresh) == MIXED
+    ids, mask = left_padded([9, 4])
+    torch.testing.assert_close(logits(fresh, ids, mask), logits(model, ids, mask), atol=0, rtol=0)
+    layer = fresh.model.layers[2].self_attn.flexsparse
+    assert layer.attention.block_size == 64 and layer.options["plan"] == "split"
+
+
+def test_save_config_describes_combined_patterns_and_refuses_unknown_ones(tmp_path):
+    patterns = {"full": Causal(), "mix": SinkWindow(2, 6) | TriangleMix(1, 4, 2), "both": Causal() & SinkWindow(0, 4)}
+    model = convert(tiny_model("llama"), patterns, [["full", "mix"], ["both", "mix"], ["full", "both"]],
+                    backend="dense")
+    save_config(model, tmp_path)
+    fresh = load_config(tiny_model("llama"), tmp_path / "flexsparse.json")
+    ids, _ = left_padded([10])
+    torch.testing.assert_close(logits(fresh, ids), logits(model, ids), atol=0, rtol=0)
+
+    class Custom(type(Causal())):
+        pass
+
+    convert(model, {"full": Causal(), "custom": Custom()}, ALL_FULL, backend="dense")
+    with pytest.raises(TypeError, match="cannot describe"):
+        save_config(model, tmp_path / "other")
+
+
+def test_learned_tensors_go_to_safetensors(tmp_path):
+    """Routers (later) are modules on a layer's flexsparse state: their tensors are saved beside the JSON."""
+    from safetensors.torch import load_file
+
+    model = convert(tiny_model("llama"), PATTERNS, ALL_FULL, backend="dense")
+    router = nn.Linear(4, 2)
+    model.model.layers[1].self_attn.flexsparse.router = router
+    save_config(model, tmp_path)
+    saved = json.loads((tmp_path / "flexsparse.json").read_text())
+    tensors = load_file(str(tmp_path / saved["weights"]))
+    assert set(tensors) == {"layers.1.router.weight", "layers.1.router.bias"}
+    torch.testing.assert_close(tensors["layers.1.router.weight"], router.weight.detach())
+    with pytest.raises(ValueError, match=r"layer 1: .*cannot rebuild"):
+        load_config(tiny_model("llama"), tmp_path)
+
+
+def test_hf_demo_reports_agreement_and_memory(capsys):
+    from flexsparse.tools.demo_hf import run_hf_demo
+
+    report = run_hf_demo()
+    assert report["all_full_max_logit_error"] <= 1e-4 and report["all_full_tokens_equal"] == "64/64"
+    assert report["sparse_cache_tokens_equal_recompute"] == "64/64"
+    assert report["kv_bytes_sparse_cache"] == report["kv_bytes_formula"] and report["kv_saved"] > 2.5
+    assert "KV memory" in capsys.readouterr().out
+
+
+# ----- errors ------------------------------------------------------------------------------------------------------
+
+def test_mode_errors_name_the_layer_and_head():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="modes has 2 layers, the model has 3"):
+        convert(model, PATTERNS, ALL_FULL[:2])
+    with pytest.raises(ValueError, match="modes for layer 1 has 3 entries, layer 1 has 2 KV heads"):
+        convert(model, PATTERNS, [["full"] * 2, ["full"] * 3, ["full"] * 2])
+    with pytest.raises(ValueError, match="layer 2, KV head 1 names unknown pattern 'sparse'"):
+        convert(model, PATTERNS, [["full"] * 2, ["full"] * 2, ["full", "sparse"]])
+    with pytest.raises(ValueError, match="layer 0, KV head 0 must be a pattern name or an index < 3"):
+        convert(model, PATTERNS, [[7, 0], [0, 0], [0, 0]])
+    with pytest.raises(ValueError, match="patterns has 2 per-layer entries, the model has 3"):
+        convert(model, [PATTERNS, PATTERNS], ALL_FULL)
+    with pytest.raises(TypeError, match="modes must be one list"):
+        convert(model, PATTERNS, "full")
+    with pytest.raises(ValueError, match=r"layer 1 \(model.layers.1.self_attn\): .*defined for 8 query heads"):
+        convert(model, [PATTERNS, {"esa": ESA(1, 3, 4, 8)}, PATTERNS], [["full"] * 2, ["esa"] * 2, ["full"] * 2])
+    assert not is_converted(model)
+
+
+class ManualAttention(nn.Module):
+    """An attention module that computes attention itself instead of calling transformers' registry."""
+
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        self.config, self.layer_idx, self.head_dim = config, layer_idx, config.hidden_size // config.num_attention_heads
+        self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)
+
+    def forward(self, hidden_states, **kwargs):
+        q, k, v = self.qkv(hidden_states).chunk(3, -1)
+        return torch.softmax(q @ k.transpose(-1, -2), -1) @ v, None
+
+
+def test_a_layer_that_bypasses_the_registry_is_refused_by_name():
+    model = tiny_model("llama")
+    model.model.layers[1].self_attn = ManualAttention(model.config, 1)
+    with pytest.raises(ValueError, match=r"layer 1 \(model.layers.1.self_attn, ManualAttention\) does not call"):
+        convert(model, PATTERNS, ALL_FULL)
+    del model.model.layers[1].self_attn
+    with pytest.raises(ValueError, match="layer 1: found no attention module"):
+        convert(model, PATTERNS, ALL_FULL)
+
+
+def test_models_with_their_own_sliding_window_are_refused_by_layer():
+    mistral = tiny_model("mistral", sliding_window=8)
+    with pytest.raises(ValueError, match=r"layer 0 .*sliding_window=8.*SinkWindow\(sink=0"):
+        convert(mistral, PATTERNS, ALL_FULL)
+    qwen = tiny_model("qwen3", use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    with pytest.raises(ValueError, match=r"layer 1 .*sliding_attention"):
+        convert(qwen, PATTERNS, ALL_FULL)
+
+
+def test_a_window_as_a_pattern_reproduces_mistrals_sliding_window():
+    """Mistral's own sliding window is SinkWindow(sink=0, window) on a model built without one."""
+    sliding = tiny_model("mistral", sliding_window=6)
+    ids, mask = left_padded([15, 9])
+    expected = logits(sliding, ids, mask)
+    model = convert(tiny_model("mistral"), {"window": SinkWindow(0, 6)}, [["window"] * 2] * 3, backend="dense")
+    real = mask.bool()
+    torch.testing.assert_close(logits(model, ids, mask)[real], expected[real], atol=1e-4, rtol=0)
+
+
+def test_other_inputs_are_refused():
+    with pytest.raises(TypeError, match="PreTrainedModel"):
+        convert(nn.Linear(2, 2), PATTERNS, ALL_FULL)
+    model = convert(tiny_model("llama"), PATTERNS, ALL_FULL, backend="dense")
+    ids = torch.randint(1, 50, (1, 6))
+    with pytest.raises(ValueError, match="2-D padding mask"):
+        with torch.no_grad():
+            model(ids, attention_mask=torch.ones(1, 1, 6, 6, dtype=torch.bool))
+    with pytest.raises(ValueError, match="another mask"):  # packed sequences (position ids restart, no mask)
+        with torch.no_grad():
+            model(ids, position_ids=torch.tensor([[0, 1, 2, 0, 1, 2]]), use_cache=False)
+    with pytest.raises(ValueError, match="SparseKVCache needs a model converted"):
+        SparseKVCache(tiny_model("llama"))
+
+
+# ----- GPU (compiled flex) -------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_gpu_sparse_cache_decode_equals_one_forward_and_never_recompiles():
+    """Compiled flex (ESA heads in bucketed buffers), SDPA (full heads, rings) on CUDA, fp32: teacher-forced decode
+    logits through the sparse cache equal one forward over the whole sequence (atol 5e-3: flex may use TF32);
+    a second generate() of the same lengths compiles nothing."""
+    patterns = {**PATTERNS, "esa": ESA(0, 1, 3, 4)}
+    model = convert(tiny_model("llama").cuda(), patterns, [["full", "ssa"], ["ssa2", "esa"], ["ssa", "ssa"]],
+                    block_size=16, backend="flex")
+    ids, mask = left_padded([20, 9])
+    ids, mask = ids.cuda(), mask.cuda()
+    with torch.no_grad():
+        expected = model(ids, attention_mask=mask).logits
+        cache, pieces = SparseKVCache(model, max_length=ids.shape[1]), []
+        for start, stop in [(0, 9)] + [(t, t + 1) for t in range(9, ids.shape[1])]:
+            positions = (mask[:, :stop].cumsum(-1) - 1).clamp(min=0)[:, start:stop]
+            pieces.append(model(ids[:, start:stop], attention_mask=mask[:, :stop], position_ids=positions,
+                                past_key_values=cache).logits)
+    real = mask.bool()
+    torch.testing.assert_close(torch.cat(pieces, 1)[real], expected[real], atol=5e-3, rtol=0)
+    first = greedy(model, ids, mask, 40)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        assert torch.equal(greedy(model, ids, mask, 40), first)
