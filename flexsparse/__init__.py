@@ -22,6 +22,18 @@ from flexsparse.runtime.compiled import RecompileLimitError
 
 __version__ = "0.1.0"
 
+_INTEGRATION = ("SparseKVCache", "convert", "load_config", "revert", "save_config")
+
+
+def __getattr__(name: str):
+    """The transformers drop-in (``flexsparse.convert`` ...), imported on first use: flexsparse itself does not
+    need transformers."""
+    if name in _INTEGRATION:
+        from flexsparse import integrations
+
+        return getattr(integrations, name)
+    raise AttributeError(f"module 'flexsparse' has no attribute {name!r}")
+
 __all__ = [
     "AttentionStats",
     "BlockTable",
@@ -35,13 +47,18 @@ __all__ = [
     "PerLayer",
     "Positions",
     "RecompileLimitError",
+    "SparseKVCache",
     "SinkWindow",
     "TriangleMix",
     "Union",
     "XAttention",
+    "convert",
     "effective_sparsity_ratio",
+    "load_config",
     "masks",
     "model_sparsity_ratio",
     "reference",
+    "revert",
     "routers",
+    "save_config",
 ]

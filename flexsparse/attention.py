@@ -155,6 +155,7 @@ class HybridAttention(nn.Module):
             "flex_eager": Planner(plan, self._pattern_list, self.num_kv_heads, sdpa, eager),
             "dense": Planner("fused", self._pattern_list, self.num_kv_heads, [], DenseExecutor()),
         }
+        self._subset_index: dict[tuple, Tensor] = {}
         self._last: tuple | None = None
 
     # ----- modes -------------------------------------------------------------------------------------------
@@ -241,6 +242,18 @@ class HybridAttention(nn.Module):
         if list(heads) != sorted(set(heads)):
             raise ValueError(f"kv_heads must be distinct and ascending, got {list(heads)}")
         return heads
+
+    def _query_head_index(self, kv_heads: tuple[int, ...], device: torch.device) -> slice | Tensor:
+        """The query heads of some KV heads: a slice when contiguous, else an index tensor made once per device
+        (indexing with a Python list would copy it to the device, a host sync, on every call)."""
+        group = self.num_heads // self.num_kv_heads
+        rows = [h * group + i for h in kv_heads for i in range(group)]
+        if rows == list(range(rows[0], rows[-1] + 1)):
+            return slice(rows[0], rows[-1] + 1)
+        key = (kv_heads, device)
+        if key not in self._subset_index:
+            self._subset_index[key] = torch.tensor(rows, device=device)
+        return self._subset_index[key]
 
     def _check_inputs(self, q: Tensor, k: Tensor, v: Tensor, kv_heads: tuple[int, ...]) -> None:
         for name, t in (("q", q), ("k", k), ("v", v)):
@@ -338,13 +351,11 @@ class HybridAttention(nn.Module):
         backend = self._choose_backend(call)
         head_modes, host_modes = self._head_modes(q, modes)
         if len(heads) < self.num_kv_heads:  # a subset of the layer's heads (e.g. one group of a sparse KV cache)
-            group = self.num_heads // self.num_kv_heads
-            head_modes = head_modes[:, [h * group + i for h in heads for i in range(group)]]
+            head_modes = head_modes[:, self._query_head_index(heads, q.device)]
             host_modes = None if host_modes is None else tuple(host_modes[h] for h in heads)
         patterns = self._resolved(call, host_modes)
         groups = self._planners[backend].groups(call, host_modes)
-        self._last = (geo, patterns, head_modes, groups[0].heads.q_heads if len(groups) == 1 else
-                      torch.cat([g.heads.q_heads for g in groups]).sort().values)
+        self._last = (geo, patterns, head_modes, groups)  # last_stats works from these when read
         if len(groups) == 1:
             group = groups[0]
             return group.executor.run(call, patterns, GroupModes(head_modes, group.host_modes), group.heads)
@@ -372,7 +383,8 @@ class HybridAttention(nn.Module):
         """MSR, ESR and block density of the last call (computed when read, from the patterns it used)."""
         if self._last is None:
             raise RuntimeError("last_stats is available after a forward call")
-        geo, patterns, head_modes, q_heads = self._last
+        geo, patterns, head_modes, groups = self._last
+        q_heads = torch.cat([g.heads.q_heads for g in groups]).sort().values
         used = next(p for p in patterns if p is not None)
         patterns = [used if p is None else p for p in patterns]  # unused modes are never selected
         rows = lambda t: t if t.shape[1] == 1 else t[:, q_heads]  # the call's heads of per-head patterns
