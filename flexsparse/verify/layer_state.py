@@ -1,0 +1,147 @@
+"""Connected sets after one layer, for the positions computed so far (a growing prefix of the sequence).
+
+Position p's set C(p) is held as ``[0, pre) + middles + [lo, p]``: an optional prefix interval from key 0
+(``pre`` = 0 when key 0 is not connected, or when the set is complete), the last interval ``[lo, p]``, and
+"middle" intervals strictly between them, sorted, disjoint and non-adjacent (CSR over positions; most sets have
+none). The set is complete (``[0, p]``) exactly when ``lo == 0``. Positions are appended in increasing order.
+
+For a run of keys ``a..b`` the verifier asks: the smallest ``lo`` in the run (the union of the runs' last
+intervals is ``[min lo, b]``: each ``[lo(k), k]`` ends at its own k), the largest ``pre``, whether any position of
+the run has a middle below that smallest ``lo`` (otherwise the middles lie inside ``[min lo, b]``), and those
+middles. Range minima are plain lookups while ``lo`` is non-decreasing (the common case), and sparse tables
+(:class:`RangeExtremum`) from the first position where it is not.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from flexsparse.verify.growing import GrowingVector, RangeExtremum
+
+BIG = 2**31 - 1  # "no middle" in the lowest-middle array; positions are < 2**30
+
+
+def ranks(counts: Tensor) -> Tensor:
+    """0..c-1 for each count c, concatenated."""
+    total = int(counts.sum())
+    return torch.arange(total, device=counts.device) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+
+
+class LayerState:
+    """``C(p)`` after one layer for positions ``0 .. size - 1``, with range queries over runs of keys."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.lo = GrowingVector(torch.int32, device)
+        self.pre = GrowingVector(torch.int32, device)
+        self.mid_ptr = GrowingVector(torch.int64, device)  # CSR offsets, size + 1 entries
+        self.mid_ptr.append(torch.zeros(1, dtype=torch.int64, device=device))
+        self.mid_first = GrowingVector(torch.int32, device)
+        self.mid_last = GrowingVector(torch.int32, device)
+        self.with_middles = GrowingVector(torch.int64, device)  # positions that have middles, ascending
+        self.lo_monotone, self.pre_monotone, self.any_pre = True, True, False
+        self._lo_min: RangeExtremum | None = None
+        self._pre_max: RangeExtremum | None = None
+        self._mid_min: RangeExtremum | None = None  # lowest middle's first key per position (BIG if none)
+        self.incomplete = 0  # positions whose set is not [0, p]
+        self.connected_pairs = 0  # sum of |C(p)|
+
+    @property
+    def size(self) -> int:
+        return self.lo.size
+
+    @property
+    def num_middles(self) -> int:
+        return self.mid_first.size
+
+    # ----- appending ---------------------------------------------------------------------------------------
+
+    def append(self, lo: Tensor, pre: Tensor, mid_counts: Tensor, mid_first: Tensor, mid_last: Tensor) -> None:
+        """Sets of the next ``len(lo)`` positions; their middles in position order (``mid_counts`` per position)."""
+        start = self.size
+        positions = torch.arange(start, start + lo.numel(), device=self.device)
+        lo, pre = lo.to(torch.int32), pre.to(torch.int32)
+        old_lo = self.lo.view()
+        if self.lo_monotone and not _non_decreasing(old_lo[-1:], lo):
+            self.lo_monotone = False
+            self._lo_min = RangeExtremum("min", self.device)
+            self._lo_min.append(old_lo)
+        if (pre > 0).any():
+            self.any_pre = True
+        if self.pre_monotone and not _non_decreasing(self.pre.view()[-1:], pre):
+            self.pre_monotone = False
+            self._pre_max = RangeExtremum("max", self.device)
+            self._pre_max.append(self.pre.view())
+        lowest_middle = torch.full_like(lo, BIG)
+        has_middles = mid_counts > 0
+        if bool(has_middles.any()):
+            first_of_each = torch.cumsum(mid_counts, 0) - mid_counts
+            lowest_middle[has_middles] = mid_first[first_of_each[has_middles]].to(torch.int32)
+            if self._mid_min is None:
+                self._mid_min = RangeExtremum("min", self.device)
+                self._mid_min.append(torch.full((start,), BIG, dtype=torch.int32, device=self.device))
+        self.lo.append(lo)
+        self.pre.append(pre)
+        for table, values in ((self._lo_min, lo), (self._pre_max, pre), (self._mid_min, lowest_middle)):
+            if table is not None:
+                table.append(values)
+        self.mid_ptr.append(self.mid_ptr.view()[-1] + torch.cumsum(mid_counts.long(), 0))
+        self.mid_first.append(mid_first.to(torch.int32))
+        self.mid_last.append(mid_last.to(torch.int32))
+        self.with_middles.append(positions[has_middles])
+        complete = lo == 0
+        self.incomplete += int((~complete).sum())
+        sizes = torch.where(complete, positions + 1, pre.long() + positions - lo.long() + 1)
+        self.connected_pairs += int(sizes.sum()) + int((mid_last.long() - mid_first.long() + 1).sum())
+
+    def append_identity(self, count: int) -> None:
+        """Layer 0: every position is connected to itself only."""
+        positions = torch.arange(self.size, self.size + count, device=self.device, dtype=torch.int32)
+        zeros = torch.zeros(count, dtype=torch.int32, device=self.device)
+        empty = zeros[:0]
+        self.append(positions, zeros, zeros, empty, empty)
+
+    # ----- queries over runs of keys (first <= last, all < size) ------------------------------------------------
+
+    def run_min_lo(self, first: Tensor, last: Tensor) -> Tensor:
+        if self.lo_monotone:
+            return self.lo.view()[first]
+        return self._lo_min.query(first, last)
+
+    def run_max_pre(self, first: Tensor, last: Tensor) -> Tensor | None:
+        """Largest ``pre`` in each run, or None when every ``pre`` is 0."""
+        if not self.any_pre:
+            return None
+        if self.pre_monotone:
+            return self.pre.view()[last]
+        return self._pre_max.query(first, last)
+
+    def run_has_low_middle(self, first: Tensor, last: Tensor, min_lo: Tensor) -> Tensor | None:
+        """Whether some position of each run has a middle starting below ``min_lo``; None when no middles."""
+        if self._mid_min is None:
+            return None
+        return self._mid_min.query(first, last) < min_lo
+
+    def middles_in_runs(self, owner: Tensor, first: Tensor, last: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(owner, first, last) of the middles of every position inside each run ``first..last``."""
+        with_middles = self.with_middles.view()
+        lo_i = torch.searchsorted(with_middles, first)
+        hits = torch.searchsorted(with_middles, last, right=True) - lo_i
+        run = torch.repeat_interleave(torch.arange(hits.numel(), device=hits.device), hits)
+        position = with_middles[lo_i[run] + ranks(hits)]
+        ptr = self.mid_ptr.view()
+        count = ptr[position + 1] - ptr[position]
+        which = torch.repeat_interleave(torch.arange(position.numel(), device=hits.device), count)
+        index = ptr[position][which] + ranks(count)
+        return owner[run][which], self.mid_first.view()[index], self.mid_last.view()[index]
+
+    def middles_in_range_count(self, first: Tensor, last: Tensor) -> Tensor:
+        """Number of middles held by positions ``first..last`` (int64, per run)."""
+        ptr = self.mid_ptr.view()
+        return ptr[last + 1] - ptr[first]
+
+
+def _non_decreasing(previous_last: Tensor, values: Tensor) -> bool:
+    joined = torch.cat([previous_last, values])
+    return bool((joined[1:] >= joined[:-1]).all())
