@@ -59,7 +59,7 @@ def tiny_batches():
     """Rounds of a few positions and batches of a few queries and intervals: many rounds, cut batches, layers
     running ahead of each other, exactly as beyond the hole horizon at full size."""
     with mock.patch.multiple(field, FIRST_CHUNK=3, MIN_CHUNK=1, MAX_CHUNK=9, STEP_WORK=6), \
-            mock.patch.multiple(layer_step, RUN_SLOTS_PER_BATCH=24, INTERVALS_PER_BATCH=6):
+            mock.patch.multiple(layer_step, QUERIES_PER_BATCH=5, RUN_SLOTS_PER_BATCH=24, INTERVALS_PER_BATCH=6):
         yield
 
 

@@ -44,6 +44,7 @@ class LayerState:
         self._lo_min: RangeExtremum | None = None
         self._pre_max: RangeExtremum | None = None
         self._mid_min: RangeExtremum | None = None  # lowest middle's first key per position (BIG if none)
+        self._width_min: RangeExtremum | None = None  # p - lo(p), BIG when complete; built on first use
         self.incomplete = 0  # positions whose set is not [0, p]
         self.connected_pairs = 0  # sum of |C(p)|
 
@@ -83,7 +84,8 @@ class LayerState:
                 self._mid_min.append(torch.full((start,), BIG, dtype=torch.int32, device=self.device))
         self.lo.append(lo)
         self.pre.append(pre)
-        for table, values in ((self._lo_min, lo), (self._pre_max, pre), (self._mid_min, lowest_middle)):
+        for table, values in ((self._lo_min, lo), (self._pre_max, pre), (self._mid_min, lowest_middle),
+                              (self._width_min, _widths(positions, lo))):
             if table is not None:
                 table.append(values)
         self.mid_ptr.append(self.mid_ptr.view()[-1] + torch.cumsum(mid_counts.long(), 0))
@@ -123,6 +125,19 @@ class LayerState:
             return None
         return self._mid_min.query(first, last) < min_lo
 
+    def run_min_middle(self, first: Tensor, last: Tensor) -> Tensor:
+        """The lowest first key of a middle held by a position of each run (BIG when none)."""
+        if self._mid_min is None:
+            return torch.full_like(first, BIG, dtype=torch.int32)
+        return self._mid_min.query(first, last)
+
+    def run_min_width(self, first: Tensor, last: Tensor) -> Tensor:
+        """Smallest ``p - lo(p)`` (how far a last interval reaches back; BIG for complete sets) over each run."""
+        if self._width_min is None:
+            self._width_min = RangeExtremum("min", self.device)
+            self._width_min.append(_widths(torch.arange(self.size, device=self.device), self.lo.view()))
+        return self._width_min.query(first, last)
+
     def middles_in_runs(self, owner: Tensor, first: Tensor, last: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """(owner, first, last) of the middles of every position inside each run ``first..last``."""
         with_middles = self.with_middles.view()
@@ -140,6 +155,10 @@ class LayerState:
         """Number of middles held by positions ``first..last`` (int64, per run)."""
         ptr = self.mid_ptr.view()
         return ptr[last + 1] - ptr[first]
+
+
+def _widths(positions: Tensor, lo: Tensor) -> Tensor:
+    return torch.where(lo == 0, BIG, positions.to(torch.int32) - lo)
 
 
 def _non_decreasing(previous_last: Tensor, values: Tensor) -> bool:

@@ -1,7 +1,7 @@
 """One layer's connected sets for the next positions, from the previous layer's.
 
 ``C_l(q) = C_{l-1}(q) + union of C_{l-1}(k) over the keys k of q``. Keys come as ascending runs per source
-(:func:`~flexsparse.verify.sources.key_run_sources`); a run ``a..b`` contributes ``[min lo(a..b), b]`` (its
+(:func:`~flexsparse.verify.sources.key_sources`); a run ``a..b`` contributes ``[min lo(a..b), b]`` (its
 positions' last intervals chain together), ``[0, max pre(a..b))``, and the middles of its positions that start
 below ``min lo(a..b)`` (the others lie inside ``[min lo, b]``). Gaps between a source's runs come from a suffix
 minimum over its slots (:func:`union_of_runs`).
@@ -18,10 +18,13 @@ import torch
 from torch import Tensor
 
 from flexsparse.masks.base import Geometry, Pattern
+from flexsparse.masks.esa import ESA
+from flexsparse.verify.esa_chain import esa_chain
 from flexsparse.verify.layer_state import BIG, LayerState
-from flexsparse.verify.sources import key_run_sources
+from flexsparse.verify.sources import KeySource, key_sources
 
-RUN_SLOTS_PER_BATCH = 1 << 21  # run slots (runs x queries) per batch: bounds the fast path's memory
+QUERIES_PER_BATCH = 1 << 16  # positions per batch
+RUN_SLOTS_PER_BATCH = 1 << 21  # run slots (runs x queries) per chunk of exact runs: bounds their memory
 INTERVALS_PER_BATCH = 1 << 22  # intervals the general path merges per batch: bounds its memory
 
 
@@ -102,50 +105,83 @@ def merge_intervals(row: Tensor, first: Tensor, last: Tensor, num_rows: int):
 
 
 class _Keys:
-    """Everything the keys of a batch of queries contribute, gathered over the layer's sources.
+    """Everything the keys of a batch of queries contribute, over the layer's sources: intervals (row, first,
+    last), the prefix P per row, and the runs whose middles must be gathered (with their counts per row).
 
-    Run arrays stay int32 ``[R, n]`` and are only indexed by masks where middles or an unsorted ``lo`` need it.
+    ESA sources first try the closed form (:func:`esa_chain`); the other queries' runs are computed in chunks of
+    ``RUN_SLOTS_PER_BATCH`` slots, as int32 ``[R, n]`` arrays indexed by masks only where middles or an unsorted
+    ``lo`` need it.
     """
 
-    def __init__(self, prev: LayerState, pattern: Pattern, geo: Geometry, rows: Tensor) -> None:
+    def __init__(self, prev: LayerState, sources: list[KeySource], geo: Geometry, rows: Tensor,
+                 budget: int) -> None:
         n, device = rows.numel(), rows.device
         self.prefix = torch.zeros(n, dtype=torch.long, device=device)  # P: [0, P) is connected through keys
         self.gather_count = torch.zeros(n, dtype=torch.long, device=device)  # middles to gather per query
-        lo = prev.lo.view()
-        rows_i, firsts, lasts, flagged = [], [], [], []
-        for first, last in key_run_sources(pattern, geo, rows.to(torch.int32)):
-            first, last = first.to(torch.int32), last.to(torch.int32)
-            valid = first <= last
-            try:
-                lo_min = lo[torch.where(valid, first, 0)]  # exact for single-key runs, and for every run if monotone
-            except IndexError:  # a key past every position computed so far: not causal
-                _check_causal(pattern, rows, last.masked_fill(~valid, -1).amax(0))
-                raise
-            longer = valid & (last > first)
-            if not prev.lo_monotone and bool(longer.any()):
-                lo_min[longer] = prev.run_min_lo(first[longer], last[longer])
-            row, i_first, i_last, top = union_of_runs(first, last, lo_min, prev.lo_monotone)
-            _check_causal(pattern, rows, top)
-            rows_i.append(row), firsts.append(i_first.long()), lasts.append(i_last.long())
-            if prev.any_pre:
-                if prev.pre_monotone:
-                    run_pre = prev.pre.view()[torch.where(valid, last, 0)].masked_fill(~valid, 0)
-                else:
-                    run_pre = torch.zeros_like(first)
-                    run_pre[valid] = prev.run_max_pre(first[valid], last[valid])
-                torch.maximum(self.prefix, run_pre.amax(0).long(), out=self.prefix)
-            if prev.num_middles:
-                owner = torch.arange(n, device=device).expand_as(first)[valid]
-                run_first, run_last = first[valid].long(), last[valid].long()
-                low_middle = prev.run_has_low_middle(run_first, run_last, lo_min[valid])
-                if bool(low_middle.any()):
-                    runs = owner[low_middle], run_first[low_middle], run_last[low_middle]
-                    self.gather_count.index_add_(0, runs[0], prev.middles_in_range_count(runs[1], runs[2]))
-                    flagged.append(runs)
-        self.row, self.first, self.last = torch.cat(rows_i), torch.cat(firsts), torch.cat(lasts)
+        self.rows_done = n  # rows past a budget of run intervals are left for the next batch
+        self._rows, self._firsts, self._lasts, self._flagged = [], [], [], []
+        local = torch.arange(n, device=device)
+        for source in sources:
+            exact = local
+            if type(source.pattern) is ESA:
+                ok, first, last = esa_chain(source.pattern, source.heads, prev, rows)
+                self._add(local[ok], first[ok], last[ok])
+                exact = local[~ok]
+            if exact.numel():
+                slots = source.runs(geo, rows[:1].to(torch.int32))[0].shape[0]
+                chunk = max(1, RUN_SLOTS_PER_BATCH // max(slots, 1))
+                for begin in range(0, exact.numel(), chunk):
+                    if begin and (int(exact[begin]) >= self.rows_done or
+                                  sum(r.numel() for r in self._rows) > budget):
+                        self.rows_done = min(self.rows_done, int(exact[begin]))
+                        break
+                    self._add_runs(prev, source, geo, rows, exact[begin : begin + chunk])
+        row, first, last = torch.cat(self._rows), torch.cat(self._firsts), torch.cat(self._lasts)
+        kept = row < self.rows_done
+        self.row, self.first, self.last = row[kept], first[kept], last[kept]
         from_zero = self.first == 0
         self.prefix.scatter_reduce_(0, self.row[from_zero], self.last[from_zero] + 1, "amax")
-        self.flagged = [torch.cat(parts) for parts in zip(*flagged)] if flagged else None
+        self.flagged = None
+        if self._flagged:
+            owner, run_first, run_last = (torch.cat(parts) for parts in zip(*self._flagged))
+            kept = owner < self.rows_done
+            self.flagged = [owner[kept], run_first[kept], run_last[kept]]
+
+    def _add(self, row: Tensor, first: Tensor, last: Tensor) -> None:
+        self._rows.append(row), self._firsts.append(first.long()), self._lasts.append(last.long())
+
+    def _add_runs(self, prev: LayerState, source: KeySource, geo: Geometry, rows: Tensor, which: Tensor) -> None:
+        """Intervals, prefixes and flagged runs from the key runs of queries ``rows[which]``."""
+        queries = rows[which]
+        first, last = (t.to(torch.int32) for t in source.runs(geo, queries.to(torch.int32)))
+        valid = first <= last
+        try:
+            lo_min = prev.lo.view()[torch.where(valid, first, 0)]  # exact for single keys, and all runs if monotone
+        except IndexError:  # a key past every position computed so far: not causal
+            _check_causal(source.pattern, queries, last.masked_fill(~valid, -1).amax(0))
+            raise
+        if not prev.lo_monotone:
+            longer = valid & (last > first)
+            if bool(longer.any()):
+                lo_min[longer] = prev.run_min_lo(first[longer], last[longer])
+        row, i_first, i_last, top = union_of_runs(first, last, lo_min, prev.lo_monotone)
+        _check_causal(source.pattern, queries, top)
+        self._add(which[row], i_first, i_last)
+        if prev.any_pre:
+            if prev.pre_monotone:
+                run_pre = prev.pre.view()[torch.where(valid, last, 0)].masked_fill(~valid, 0)
+            else:
+                run_pre = torch.zeros_like(first)
+                run_pre[valid] = prev.run_max_pre(first[valid], last[valid])
+            self.prefix[which] = torch.maximum(self.prefix[which], run_pre.amax(0).long())
+        if prev.num_middles:
+            owner = which.expand_as(first)[valid]
+            run_first, run_last = first[valid].long(), last[valid].long()
+            low_middle = prev.run_has_low_middle(run_first, run_last, lo_min[valid])
+            if bool(low_middle.any()):
+                runs = owner[low_middle], run_first[low_middle], run_last[low_middle]
+                self.gather_count.index_add_(0, runs[0], prev.middles_in_range_count(runs[1], runs[2]))
+                self._flagged.append(runs)
 
 
 def extend_layer(prev: LayerState, cur: LayerState, pattern: Pattern, geo: Geometry, stop: int,
@@ -155,19 +191,16 @@ def extend_layer(prev: LayerState, cur: LayerState, pattern: Pattern, geo: Geome
     Stops early, after at least one position, near ``work_cap`` intervals through the general path (batches
     are cut there). Returns the work done.
     """
-    device = cur.device
-    runs_per_query = sum(f.shape[0] for f, _ in key_run_sources(
-        pattern, geo, torch.tensor([stop - 1], dtype=torch.int32, device=device)))
-    batch = max(1, RUN_SLOTS_PER_BATCH // max(runs_per_query, 1))
+    sources = key_sources(pattern, geo.num_heads)
     work = 0
     while cur.size < stop and work < work_cap:
         start = cur.size
-        positions = torch.arange(start, min(stop, start + batch), device=device)
-        work += _extend_batch(prev, cur, pattern, geo, positions, min(INTERVALS_PER_BATCH, work_cap - work))
+        positions = torch.arange(start, min(stop, start + QUERIES_PER_BATCH), device=cur.device)
+        work += _extend_batch(prev, cur, sources, geo, positions, min(INTERVALS_PER_BATCH, work_cap - work))
     return work
 
 
-def _extend_batch(prev: LayerState, cur: LayerState, pattern: Pattern, geo: Geometry, positions: Tensor,
+def _extend_batch(prev: LayerState, cur: LayerState, sources: list[KeySource], geo: Geometry, positions: Tensor,
                   budget: int) -> int:
     """Sets of a prefix of ``positions``: all of them, unless the general path's intervals would exceed
     ``budget`` (then up to the query where they do, and at least one)."""
@@ -177,7 +210,7 @@ def _extend_batch(prev: LayerState, cur: LayerState, pattern: Pattern, geo: Geom
     n = rows.numel()
     own_lo, own_pre = prev.lo.view()[rows].long(), prev.pre.view()[rows].long()
     own_middles = prev.middles_in_range_count(rows, rows)
-    keys = _Keys(prev, pattern, geo, rows) if n else None
+    keys = _Keys(prev, sources, geo, rows, budget) if n else None
     if keys is None:
         cur.append(torch.zeros_like(prev_lo), torch.zeros_like(prev_lo), torch.zeros_like(prev_lo),
                    prev_lo[:0], prev_lo[:0])
@@ -191,7 +224,7 @@ def _extend_batch(prev: LayerState, cur: LayerState, pattern: Pattern, geo: Geom
     # Cut the batch where the general path's intervals would exceed the budget (keep at least one query).
     estimate = torch.where(general, intervals + 2 + own_middles + keys.gather_count, 0)
     over = torch.nonzero(torch.cumsum(estimate, 0) > budget).flatten()
-    n_kept = n if over.numel() == 0 else max(int(over[0]), 1)
+    n_kept = min(n if over.numel() == 0 else max(int(over[0]), 1), keys.rows_done)
     end = int(rows[n_kept]) if n_kept < n else int(positions[-1]) + 1
     keep = torch.arange(n, device=device) < n_kept
     general &= keep
