@@ -32,6 +32,8 @@ from flexsparse.verify import (
     receptive_field_bruteforce,
 )
 from flexsparse.verify.growing import BLOCK, RangeExtremum
+from flexsparse.verify.intervals import merge_intervals
+from flexsparse.verify.middles import Middles
 from flexsparse.verify.sources import prefix_consistency_problem
 
 HEADS = 3
@@ -287,6 +289,30 @@ def test_range_extremum_grows_and_answers_like_a_scan(values, pieces, data):
 def test_bad_arguments(layers_arg, seq_len, error, match):
     with pytest.raises(error, match=match):
         receptive_field(layers_arg, seq_len)
+
+
+@given(data=st.data(), size=st.integers(1, 700))
+def test_middle_blocks_give_the_union_of_every_position_in_a_run(data, size):
+    """Runs read merged unions over aligned blocks of 8**j positions; they must equal the positions' own."""
+    counts = torch.tensor(data.draw(st.lists(st.integers(0, 3), min_size=size, max_size=size)))
+    first = torch.randint(0, 1000, (int(counts.sum()),))
+    last = first + torch.randint(0, 5, first.shape)
+    middles, done = Middles(torch.device("cpu")), 0
+    while done < size:  # appended in uneven pieces, as rounds do
+        step = min(data.draw(st.integers(1, 300)), size - done)
+        begin, end = int(counts[:done].sum()), int(counts[: done + step].sum())
+        middles.append(counts[done : done + step], first[begin:end], last[begin:end])
+        done += step
+    a = torch.tensor(data.draw(st.lists(st.integers(0, size - 1), min_size=1, max_size=8)))
+    b = torch.tensor([data.draw(st.integers(int(x), size - 1)) for x in a])
+    run, level, block, _ = middles.pieces(a, b)
+    got = merge_intervals(*(t.long() for t in middles.gather(run, level, block)), a.numel())
+    owner = torch.repeat_interleave(torch.arange(size), counts)
+    runs = [(owner >= x) & (owner <= y) for x, y in zip(a.tolist(), b.tolist())]
+    row = torch.cat([torch.full((int(r.sum()),), i) for i, r in enumerate(runs)])
+    want = merge_intervals(row, torch.cat([first[r] for r in runs]), torch.cat([last[r] for r in runs]), a.numel())
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
 
 
 def test_report_prints_readably():

@@ -18,14 +18,9 @@ import torch
 from torch import Tensor
 
 from flexsparse.verify.growing import GrowingVector, RangeExtremum
+from flexsparse.verify.middles import Middles
 
 BIG = 2**31 - 1  # "no middle" in the lowest-middle array; positions are < 2**30
-
-
-def ranks(counts: Tensor) -> Tensor:
-    """0..c-1 for each count c, concatenated."""
-    total = int(counts.sum())
-    return torch.arange(total, device=counts.device) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
 
 
 class LayerState:
@@ -35,11 +30,7 @@ class LayerState:
         self.device = device
         self.lo = GrowingVector(torch.int32, device)
         self.pre = GrowingVector(torch.int32, device)
-        self.mid_ptr = GrowingVector(torch.int64, device)  # CSR offsets, size + 1 entries
-        self.mid_ptr.append(torch.zeros(1, dtype=torch.int64, device=device))
-        self.mid_first = GrowingVector(torch.int32, device)
-        self.mid_last = GrowingVector(torch.int32, device)
-        self.with_middles = GrowingVector(torch.int64, device)  # positions that have middles, ascending
+        self.middles = Middles(device)
         self.lo_monotone, self.pre_monotone, self.any_pre = True, True, False
         self._lo_min: RangeExtremum | None = None
         self._pre_max: RangeExtremum | None = None
@@ -54,7 +45,7 @@ class LayerState:
 
     @property
     def num_middles(self) -> int:
-        return self.mid_first.size
+        return self.middles.total
 
     # ----- appending ---------------------------------------------------------------------------------------
 
@@ -88,10 +79,7 @@ class LayerState:
                               (self._width_min, _widths(positions, lo))):
             if table is not None:
                 table.append(values)
-        self.mid_ptr.append(self.mid_ptr.view()[-1] + torch.cumsum(mid_counts.long(), 0))
-        self.mid_first.append(mid_first.to(torch.int32))
-        self.mid_last.append(mid_last.to(torch.int32))
-        self.with_middles.append(positions[has_middles])
+        self.middles.append(mid_counts, mid_first, mid_last)
         complete = lo == 0
         self.incomplete += int((~complete).sum())
         sizes = torch.where(complete, positions + 1, pre.long() + positions - lo.long() + 1)
@@ -137,24 +125,6 @@ class LayerState:
             self._width_min = RangeExtremum("min", self.device)
             self._width_min.append(_widths(torch.arange(self.size, device=self.device), self.lo.view()))
         return self._width_min.query(first, last)
-
-    def middles_in_runs(self, owner: Tensor, first: Tensor, last: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """(owner, first, last) of the middles of every position inside each run ``first..last``."""
-        with_middles = self.with_middles.view()
-        lo_i = torch.searchsorted(with_middles, first)
-        hits = torch.searchsorted(with_middles, last, right=True) - lo_i
-        run = torch.repeat_interleave(torch.arange(hits.numel(), device=hits.device), hits)
-        position = with_middles[lo_i[run] + ranks(hits)]
-        ptr = self.mid_ptr.view()
-        count = ptr[position + 1] - ptr[position]
-        which = torch.repeat_interleave(torch.arange(position.numel(), device=hits.device), count)
-        index = ptr[position][which] + ranks(count)
-        return owner[run][which], self.mid_first.view()[index], self.mid_last.view()[index]
-
-    def middles_in_range_count(self, first: Tensor, last: Tensor) -> Tensor:
-        """Number of middles held by positions ``first..last`` (int64, per run)."""
-        ptr = self.mid_ptr.view()
-        return ptr[last + 1] - ptr[first]
 
 
 def _widths(positions: Tensor, lo: Tensor) -> Tensor:

@@ -20,6 +20,7 @@ from torch import Tensor
 from flexsparse.masks.base import Geometry, Pattern
 from flexsparse.masks.esa import ESA
 from flexsparse.verify.esa_chain import esa_chain
+from flexsparse.verify.intervals import merge_intervals
 from flexsparse.verify.layer_state import BIG, LayerState
 from flexsparse.verify.sources import KeySource, key_sources
 
@@ -86,24 +87,6 @@ def _check_causal(pattern: Pattern, rows: Tensor, top: Tensor) -> None:
                          f"receptive field is defined for causal patterns (check causal())")
 
 
-def merge_intervals(row: Tensor, first: Tensor, last: Tensor, num_rows: int):
-    """Merge intervals by row (0..num_rows-1) into sorted, disjoint, non-adjacent ones.
-
-    Returns (row, first, last) of the merged intervals, sorted by (row, first), and the count per row.
-    """
-    span = 2**60 // max(num_rows, 1)
-    order = torch.argsort(row * span + first)
-    row, first, last = row[order], first[order], last[order]
-    reach = (row * span + last).cummax(0).values
-    opens = torch.ones_like(row, dtype=torch.bool)
-    opens[1:] = (row[1:] != row[:-1]) | (row[1:] * span + first[1:] > reach[:-1] + 1)
-    group = opens.cumsum(0) - 1
-    out_last = torch.full((int(group[-1]) + 1,), -1, dtype=last.dtype, device=last.device).scatter_reduce(
-        0, group, last, "amax", include_self=True)
-    out_row = row[opens]
-    return out_row, first[opens], out_last, torch.bincount(out_row, minlength=num_rows)
-
-
 class _Keys:
     """Everything the keys of a batch of queries contribute, over the layer's sources: intervals (row, first,
     last), the prefix P per row, and the runs whose middles must be gathered (with their counts per row).
@@ -142,10 +125,10 @@ class _Keys:
         from_zero = self.first == 0
         self.prefix.scatter_reduce_(0, self.row[from_zero], self.last[from_zero] + 1, "amax")
         self.flagged = None
-        if self._flagged:
-            owner, run_first, run_last = (torch.cat(parts) for parts in zip(*self._flagged))
+        if self._flagged:  # middle blocks to gather: (owner, level, block)
+            owner, level, block = (torch.cat(parts) for parts in zip(*self._flagged))
             kept = owner < self.rows_done
-            self.flagged = [owner[kept], run_first[kept], run_last[kept]]
+            self.flagged = [owner[kept], level[kept], block[kept]]
 
     def _add(self, row: Tensor, first: Tensor, last: Tensor) -> None:
         self._rows.append(row), self._firsts.append(first.long()), self._lasts.append(last.long())
@@ -179,9 +162,10 @@ class _Keys:
             run_first, run_last = first[valid].long(), last[valid].long()
             low_middle = prev.run_has_low_middle(run_first, run_last, lo_min[valid])
             if bool(low_middle.any()):
-                runs = owner[low_middle], run_first[low_middle], run_last[low_middle]
-                self.gather_count.index_add_(0, runs[0], prev.middles_in_range_count(runs[1], runs[2]))
-                self._flagged.append(runs)
+                run, level, block, sizes = prev.middles.pieces(run_first[low_middle], run_last[low_middle])
+                piece_owner = owner[low_middle][run]
+                self.gather_count.index_add_(0, piece_owner, sizes)
+                self._flagged.append((piece_owner, level, block))
 
 
 def extend_layer(prev: LayerState, cur: LayerState, pattern: Pattern, geo: Geometry, stop: int,
@@ -209,7 +193,7 @@ def _extend_batch(prev: LayerState, cur: LayerState, sources: list[KeySource], g
     rows = positions[prev_lo != 0]  # complete positions stay complete
     n = rows.numel()
     own_lo, own_pre = prev.lo.view()[rows].long(), prev.pre.view()[rows].long()
-    own_middles = prev.middles_in_range_count(rows, rows)
+    own_middles = prev.middles.own_counts(rows)
     keys = _Keys(prev, sources, geo, rows, budget) if n else None
     if keys is None:
         cur.append(torch.zeros_like(prev_lo), torch.zeros_like(prev_lo), torch.zeros_like(prev_lo),
@@ -246,11 +230,11 @@ def _extend_batch(prev: LayerState, cur: LayerState, sources: list[KeySource], g
         parts.append((local[with_prefix], torch.zeros_like(rows[with_prefix]), prefix[with_prefix] - 1))
         with_own = general & (own_middles > 0)
         if bool(with_own.any()):
-            parts.append(prev.middles_in_runs(local[with_own], rows[with_own], rows[with_own]))
+            parts.append(prev.middles.own(local[with_own], rows[with_own]))
         if keys.flagged is not None:
-            owner, run_first, run_last = keys.flagged
+            owner, level, block = keys.flagged
             sel = general[owner]
-            parts.append(prev.middles_in_runs(owner[sel], run_first[sel], run_last[sel]))
+            parts.append(prev.middles.gather(owner[sel], level[sel], block[sel]))
         row, first, last = (torch.cat([p[i].long() for p in parts]) for i in range(3))
         work = row.numel()
         out_row, out_first, out_last, counts = merge_intervals(row, first, last, n)
