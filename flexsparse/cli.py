@@ -1,69 +1,132 @@
-"""Command line: `flexsparse demo | verify | bench | show`."""
+"""Command line: `flexsparse demo | verify | bench | show`.
+
+Exit codes: 0 success (for `verify`: hole-free), 1 `verify` found a hole, 2 a usage or input error, reported as
+one line on stderr (argparse's own usage errors also exit 2).
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
+
+EXIT_OK, EXIT_HOLE, EXIT_USAGE = 0, 1, 2
+
+
+class CommandError(Exception):
+    """A problem with the command's input or environment: reported as one line, exit code 2."""
+
+
+def _require_cuda(device: str | None, what: str) -> None:
+    import torch
+
+    if device is not None and str(device).startswith("cuda") and not torch.cuda.is_available():
+        raise CommandError(f"{what} needs a CUDA device, and torch sees none")
+
+
+def _require_matplotlib(what: str) -> None:
+    if importlib.util.find_spec("matplotlib") is None:
+        raise CommandError(f"{what} needs matplotlib: pip install 'flexsparse[plot]'")
+
+
+def _positive(name: str, value: int | None) -> None:
+    if value is not None and value < 1:
+        raise CommandError(f"{name} must be >= 1, got {value}")
 
 
 def _demo(args: argparse.Namespace) -> int:
     from flexsparse.tools.demo import run_demo
 
+    _positive("--seq", args.seq)
+    _require_cuda(args.device, "--device cuda")
     run_demo(device=args.device, backend=args.backend, seq=args.seq)
-    return 0
+    return EXIT_OK
 
 
 def _progress(done: int, total: int) -> None:
     bar = "#" * (30 * done // total)
-    print(f"\rlayer {done}/{total} [{bar:<30}]", end="\n" if done == total else "", file=sys.stderr, flush=True)
+    print(f"\rpositions {done:,}/{total:,} [{bar:<30}]", end="\n" if done == total else "", file=sys.stderr,
+          flush=True)
+
+
+def _read_config(path: str) -> dict:
+    import json
+
+    try:
+        with open(path) as file:
+            config = json.load(file)
+    except json.JSONDecodeError as err:
+        raise CommandError(f"--config {path}: not valid JSON ({err})") from err
+    if not isinstance(config, dict) or not isinstance(config.get("layers"), list):
+        raise CommandError(f'--config {path}: expected an object with a "layers" list, e.g. '
+                           '{"seq_len": 4096, "layers": ["causal"]}')
+    return config
 
 
 def _verify(args: argparse.Namespace) -> int:
-    import json
     import time
 
     from flexsparse.specs import parse_stack
-    from flexsparse.verify import receptive_field
+    from flexsparse.verify import max_hole_free_length, receptive_field
 
     specs, repeat, seq_len = args.layers or [], args.repeat, args.seq_len
     if args.config:
-        config = json.loads(open(args.config).read())
+        config = _read_config(args.config)
         specs, repeat = config["layers"], config.get("repeat", repeat)
         seq_len = config.get("seq_len", seq_len)
     if not specs:
-        raise SystemExit("flexsparse verify: give --layers SPEC ... or --config FILE")
-    if seq_len is None:
-        raise SystemExit("flexsparse verify: give --seq-len (or seq_len in the config)")
+        raise CommandError("give --layers SPEC ... or --config FILE")
+    if seq_len is None and not args.max_length:
+        raise CommandError("give --seq-len (or seq_len in the config), or --max-length")
+    _require_cuda(args.device, "--device cuda")
     stack = parse_stack(specs, repeat)
+    progress = _progress if sys.stderr.isatty() else None
+    if args.max_length:
+        start = time.perf_counter()
+        horizon = max_hole_free_length(stack, limit=args.limit, device=args.device, progress=progress)
+        print(f"max hole-free length: {horizon} ({time.perf_counter() - start:.2f} s)")
+        if seq_len is None:
+            return EXIT_OK
     start = time.perf_counter()
-    report = receptive_field(stack, seq_len, device=args.device, progress=_progress)
+    report = receptive_field(stack, seq_len, device=args.device, progress=progress,
+                             stop_at_first_hole=args.first_hole_only)
     print(report)
-    print(f"verified exactly, all {seq_len:,} queries, in {time.perf_counter() - start:.2f} s")
-    return 0 if report.hole_free else 1
+    done = "all" if report.positions_done == seq_len else "the first"
+    print(f"verified exactly, {done} {report.positions_done:,} queries, in {time.perf_counter() - start:.2f} s")
+    return EXIT_OK if report.hole_free else EXIT_HOLE
 
 
 def _show(args: argparse.Namespace) -> int:
     from flexsparse.specs import parse_pattern
-    from flexsparse.tools.pictures import draw_masks
 
+    _positive("--seq-len", args.seq_len)
+    _positive("--layers", args.layers)
     if args.layers:
         rows = [(f"layer {i}", parse_pattern(args.pattern, layer_idx=i)) for i in range(args.layers)]
     else:
         rows = [(args.pattern.split(":")[0], parse_pattern(args.pattern))]
+    _require_matplotlib("flexsparse show")
+    from flexsparse.tools.pictures import draw_masks
+
     path = draw_masks(rows, args.seq_len, args.out)
     print(f"wrote {path}")
-    return 0
+    return EXIT_OK
 
 
 def _bench(args: argparse.Namespace) -> int:
+    for seq in args.seq:
+        _positive("--seq", seq)
+    _require_cuda("cuda", "flexsparse bench")
+    _require_matplotlib("flexsparse bench (its plot)")
     from flexsparse.tools.bench import run_bench
 
     run_bench(args.seq, backward=not args.forward_only, out_dir=args.out, only=args.only)
-    return 0
+    return EXIT_OK
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="flexsparse", description=__doc__)
+    parser = argparse.ArgumentParser(prog="flexsparse", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="run hybrid layers, check them against the dense reference, time them")
     demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
@@ -72,7 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seq", type=int, default=None, help="sequence length (default 1024 on CPU, 4096 on CUDA)")
     demo.set_defaults(run=_demo)
 
-    verify = sub.add_parser("verify", help="prove a stack of layers has no attention holes (exit 1 on a hole)")
+    verify = sub.add_parser("verify", help="prove a stack of layers has no attention holes "
+                                           "(exit 0 hole-free, 1 hole, 2 bad input)")
     verify.add_argument("--layers", nargs="+", metavar="SPEC",
                         help="one spec per layer, e.g. 'esa:num_layers=8,attn_length=64,num_heads=8' or "
                              "'causal+sink_window:sink=4,window=64' (per-head patterns joined with +)")
@@ -80,6 +144,13 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--seq-len", type=int, default=None)
     verify.add_argument("--config", help='JSON: {"seq_len": N, "layers": [spec or [per-head specs], ...], "repeat": n}')
     verify.add_argument("--device", default=None, help="cpu (default) or cuda")
+    verify.add_argument("--first-hole-only", action="store_true",
+                        help="stop once hole-freeness and the first hole are certain (no coverage per layer)")
+    verify.add_argument("--max-length", action="store_true",
+                        help="print the longest hole-free sequence length (searched up to --limit); with "
+                             "--seq-len, also verify that length")
+    verify.add_argument("--limit", type=int, default=1 << 22, help="upper end of the --max-length search "
+                                                                   "(default 4,194,304)")
     verify.set_defaults(run=_verify)
 
     show = sub.add_parser("show", help="write a PNG of a pattern's mask per head (per layer with --layers)")
@@ -99,8 +170,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run a command; returns its exit code. Input errors print one line on stderr and return 2."""
     args = build_parser().parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except (CommandError, ValueError, TypeError, OSError, ImportError) as err:
+        message = " ".join(str(err).split()) or type(err).__name__
+        print(f"flexsparse {args.command}: error: {message}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":

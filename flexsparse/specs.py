@@ -3,11 +3,14 @@
 A spec is ``name`` or ``name:key=value,key=value``, e.g. ``causal``, ``sink_window:sink=128,window=2048`` or
 ``esa:num_layers=8,attn_length=64,num_heads=8``. A layer of per-head patterns joins specs with ``+``. In a stack,
 an ESA spec without ``layer_idx`` takes its position in the stack.
+
+Every problem with a spec is a ValueError whose message quotes the spec.
 """
 
 from __future__ import annotations
 
 from flexsparse.masks import ESA, Causal, Pattern, SinkWindow, TriangleMix
+from flexsparse.validation import as_int
 
 PATTERNS: dict[str, type[Pattern]] = {
     "causal": Causal, "sink_window": SinkWindow, "esa": ESA, "triangle_mix": TriangleMix,
@@ -19,8 +22,17 @@ def register(name: str, cls: type[Pattern]) -> None:
     PATTERNS[name] = cls
 
 
+def _number(text: str, key: str, spec: str) -> int | float:
+    try:
+        return float(text) if "." in text else int(text)
+    except ValueError:
+        raise ValueError(f"the value of {key!r} must be a number, got {text!r} in spec {spec!r}") from None
+
+
 def parse_pattern(spec: str, layer_idx: int | None = None) -> Pattern:
     """One pattern from ``name[:key=value,...]`` (values are ints or floats)."""
+    if not isinstance(spec, str):
+        raise ValueError(f"a pattern spec must be a string, got {spec!r}")
     name, _, args = spec.strip().partition(":")
     if name not in PATTERNS:
         raise ValueError(f"unknown pattern {name!r} in spec {spec!r}; known: {sorted(PATTERNS)}")
@@ -29,25 +41,35 @@ def parse_pattern(spec: str, layer_idx: int | None = None) -> Pattern:
         key, eq, value = item.partition("=")
         if not eq:
             raise ValueError(f"spec arguments are key=value, got {item!r} in {spec!r}")
-        kwargs[key.strip()] = float(value) if "." in value else int(value)
+        kwargs[key.strip()] = _number(value.strip(), key.strip(), spec)
     if PATTERNS[name] is ESA and "layer_idx" not in kwargs and layer_idx is not None:
         kwargs["layer_idx"] = layer_idx
     try:
         return PATTERNS[name](**kwargs)
-    except TypeError as err:
-        raise ValueError(f"bad arguments in spec {spec!r}: {err}") from err
+    except (TypeError, ValueError) as err:
+        hint = ""
+        if PATTERNS[name] is ESA and "layer_idx" in str(err) and layer_idx is not None:
+            hint = " (in a stack, ESA layers take their position as layer_idx: num_layers must cover the stack)"
+        raise ValueError(f"bad arguments in spec {spec!r}: {err}{hint}") from err
 
 
 def parse_layer(spec: str | list[str], layer_idx: int) -> Pattern | list[Pattern]:
     """A layer: one spec, or per-head specs (a list, or specs joined with '+')."""
-    parts = spec.split("+") if isinstance(spec, str) else list(spec)
+    if isinstance(spec, str):
+        parts = spec.split("+")
+    elif isinstance(spec, list) and spec:
+        parts = spec
+    else:
+        raise ValueError(f"a layer spec must be a string or a non-empty list of strings, got {spec!r}")
     patterns = [parse_pattern(p, layer_idx) for p in parts]
     return patterns[0] if len(patterns) == 1 else patterns
 
 
 def parse_stack(specs: list[str | list[str]], repeat: int = 1) -> list[Pattern | list[Pattern]]:
     """Layers from specs, the list repeated ``repeat`` times; ESA layers are numbered by stack position."""
-    if repeat < 1:
-        raise ValueError(f"repeat must be >= 1, got {repeat}")
+    try:
+        repeat = as_int("repeat", repeat, minimum=1)
+    except TypeError as err:
+        raise ValueError(str(err)) from None
     full = list(specs) * repeat
     return [parse_layer(spec, index) for index, spec in enumerate(full)]

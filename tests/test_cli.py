@@ -1,8 +1,12 @@
-"""The command line: demo, verify (exit codes), show (PNG), and pattern specs."""
+"""The command line: demo, verify (exit codes), show (PNG), one-line errors, and pattern specs."""
 
+import importlib.util
 import json
+import subprocess
+import sys
 
 import pytest
+import torch
 
 from flexsparse.cli import main
 from flexsparse.masks import ESA, SinkWindow
@@ -23,6 +27,91 @@ def test_verify_exit_codes(capsys):
     assert "hole-free" in capsys.readouterr().out
     assert main(["verify", "--layers", "sink_window:sink=0,window=8", "--repeat", "2", "--seq-len", "100"]) == 1
     assert "HOLE at query 15, key 0" in capsys.readouterr().out
+
+
+def test_verify_max_length_and_first_hole_only(capsys):
+    windows = ["verify", "--layers", "sink_window:sink=0,window=8", "--repeat", "2"]
+    assert main(windows + ["--max-length"]) == 0
+    assert "max hole-free length: hole-free up to 15 tokens; from 16 tokens on, query 15 cannot reach key 0" \
+        in capsys.readouterr().out
+    assert main(windows + ["--max-length", "--seq-len", "12"]) == 0  # 12 <= 15: hole-free
+    assert main(windows + ["--seq-len", "100000", "--first-hole-only"]) == 1
+    out = capsys.readouterr().out
+    assert "HOLE at query 15, key 0" in out and "stopped early" in out and "the first 8,192 queries" in out
+    assert main(["verify", "--layers", "causal", "--max-length", "--limit", "64"]) == 0
+    assert "every length" in capsys.readouterr().out
+
+
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["verify", "--layers", "sink_windw:window=4", "--seq-len", "10"], "unknown pattern 'sink_windw'"),
+    (["verify", "--layers", "sink_window:window=x", "--seq-len", "10"], "'window' must be a number"),
+    (["verify", "--layers", "sink_window:window=0", "--seq-len", "10"], "window must be >= 1"),
+    (["verify", "--layers", "causal", "--seq-len", "0"], "seq_len must be >= 1"),
+    (["verify", "--layers", "causal"], "give --seq-len"),
+    (["verify", "--seq-len", "10"], "give --layers"),
+    (["verify", "--layers", "causal", "--repeat", "0", "--seq-len", "10"], "repeat must be >= 1"),
+    (["verify", "--layers", "esa:num_layers=2,attn_length=4,num_heads=2", "--repeat", "3", "--seq-len", "10"],
+     "num_layers must cover the stack"),
+    (["verify", "--layers", "triangle_mix:sink=0,window=4,last_q=2", "--max-length"], "TriangleMix"),
+    (["verify", "--layers", "causal", "--max-length", "--limit", "0"], "limit must be >= 1"),
+    (["verify", "--config", "no/such/file.json"], "No such file"),
+    pytest.param(["verify", "--layers", "causal", "--seq-len", "10", "--device", "cuda"], "needs a CUDA device",
+                 marks=no_cuda),
+    (["show", "nope:x=1"], "unknown pattern 'nope'"),
+    (["show", "causal", "--seq-len", "0"], "--seq-len must be >= 1"),
+    (["show", "causal", "--seq-len", "100000"], "dense references are for small sizes"),
+    (["bench", "--seq", "0"], "--seq must be >= 1"),
+    pytest.param(["bench", "--seq", "128"], "flexsparse bench needs a CUDA device", marks=no_cuda),
+    (["demo", "--seq", "-4"], "--seq must be >= 1"),
+])
+def test_input_errors_exit_2_with_one_line(argv, message, capsys):
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"flexsparse {argv[0]}: error: ") and message in lines[0]
+    assert "Traceback" not in captured.err + captured.out
+
+
+def test_bad_config_files_exit_2(tmp_path, capsys):
+    for name, text, message in [("broken.json", "{not json", "not valid JSON"),
+                                ("list.json", "[1, 2]", 'an object with a "layers" list'),
+                                ("typo.json", json.dumps({"seq_len": 8, "layers": [["causal", "nope"]]}),
+                                 "unknown pattern 'nope'"),
+                                ("repeat.json", json.dumps({"seq_len": 8, "layers": ["causal"], "repeat": 1.5}),
+                                 "repeat must be an int")]:
+        path = tmp_path / name
+        path.write_text(text)
+        assert main(["verify", "--config", str(path)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0]
+
+
+def test_missing_matplotlib_is_one_line(monkeypatch, tmp_path, capsys):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    assert main(["show", "causal", "--seq-len", "16", "--out", str(tmp_path / "x.png")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "needs matplotlib" in err[0]
+
+
+def test_argparse_usage_errors_exit_2():
+    with pytest.raises(SystemExit) as exit_info:
+        main(["verify", "--seq-len", "ten"])
+    assert exit_info.value.code == 2
+
+
+def test_the_installed_command_exits_with_the_same_codes():
+    """Through a real process: 2 with one line and no traceback for a typo, 1 for a hole."""
+    run = lambda *args: subprocess.run([sys.executable, "-m", "flexsparse.cli", "verify", *args],
+                                       capture_output=True, text=True, timeout=120)
+    typo = run("--layers", "sink_window:sink=0,windw=4", "--seq-len", "10")
+    assert typo.returncode == 2 and "Traceback" not in typo.stderr
+    assert typo.stderr.strip().count("\n") == 0 and "bad arguments in spec" in typo.stderr
+    hole = run("--layers", "sink_window:sink=0,window=8", "--repeat", "2", "--seq-len", "100")
+    assert hole.returncode == 1 and "HOLE at query 15, key 0" in hole.stdout
 
 
 def test_verify_reads_a_json_config(tmp_path, capsys):
@@ -49,3 +138,9 @@ def test_specs():
         parse_pattern("sink_window:4")
     with pytest.raises(ValueError, match="bad arguments"):
         parse_pattern("sink_window:size=4")
+    with pytest.raises(ValueError, match="'sink' must be a number, got '4x'"):
+        parse_pattern("sink_window:sink=4x")
+    with pytest.raises(ValueError, match="layer spec must be a string or a non-empty list"):
+        parse_stack([[]])
+    with pytest.raises(ValueError, match="repeat must be >= 1"):
+        parse_stack(["causal"], repeat=0)

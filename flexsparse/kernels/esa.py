@@ -352,8 +352,9 @@ def _esa_decode_kernel(
     row, pos, real = _query_rows(r, batch, q_len, span, first_pos, SORTED_POS, ORDER, stride_pos_b, HAS_POSITIONS)
     dims = tl.arange(0, D)
     head64, row64, batch64 = head.to(tl.int64), row.to(tl.int64), batch.to(tl.int64)
+    live = tl.where(real, head_ok, False)  # [HEADS]; scalar-bool & vector-bool is int32 in triton>=3.9's interpreter
     q = tl.load(Q + batch64 * stride_qb + head64[:, None] * stride_qh + row64 * stride_qs + dims[None, :],
-                mask=head_ok[:, None] & real, other=0.0).to(tl.float32)
+                mask=live[:, None], other=0.0).to(tl.float32)
     K_B = K + batch64 * stride_kb + kv_head.to(tl.int64) * stride_kh
     V_B = V + batch64 * stride_vb + kv_head.to(tl.int64) * stride_vh
     SLOTS_B = KEY_SLOTS + batch64 * stride_slots_b
@@ -366,7 +367,7 @@ def _esa_decode_kernel(
         j = j0 + tl.arange(0, SLOTS)
         key = _head_key(_slot_base(start, window, j, W)[None, :], _slot_base(start, window, j + 1, W)[None, :],
                         head[:, None], NUM_HEADS)  # [HEADS, SLOTS]
-        ok = real & head_ok[:, None] & (j < W)[None, :] & (key <= pos)
+        ok = live[:, None] & (j < W)[None, :] & (key <= pos)
         slot, present = _key_slots(key, ok, SLOTS_B, kv_len, span, HAS_SLOTS)
         row_k, row_v = _row_offsets(slot, stride_ks, stride_vs, WIDE, SAME_KV_STRIDE)
         k = tl.load(K_B + row_k[:, :, None] + dims[None, None, :], mask=present[:, :, None], other=0.0)
@@ -382,7 +383,7 @@ def _esa_decode_kernel(
 
     has_keys = l_sum > 0
     l_safe = tl.where(has_keys, l_sum, 1.0)
-    store = head_ok & (r < q_len)
+    store = tl.where(r < q_len, head_ok, False)
     tl.store(O + batch64 * stride_ob + head64[:, None] * stride_oh + row64 * stride_os + dims[None, :],
              (acc / l_safe[:, None]).to(O.dtype.element_ty), mask=store[:, None])
     lse = tl.where(has_keys, m_max + tl.math.log2(l_safe), float("inf"))

@@ -255,7 +255,7 @@ def _select_kernel(
     threshold = tl.load(THRESHOLD + h)
     zeros = tl.zeros([BLOCK_KB], tl.float32)  # scalar float comparisons are broadcast to rows first
     kb = tl.arange(0, BLOCK_KB)
-    causal = (kb <= hi) & ok & (kb < kv_blocks)
+    causal = tl.where(ok, (kb <= hi) & (kb < kv_blocks), False)  # scalar & vector bools: int32 in triton 3.9's interpreter
     base = b.to(tl.int64) * stride_mb + h.to(tl.int64) * stride_mh + qb.to(tl.int64) * stride_mq
     mass = tl.maximum(tl.load(MASS + base + kb, mask=causal, other=0.0), 0.0)
     sink = causal & (kb == 0)
