@@ -14,8 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from flexsparse.masks.base import Geometry, Pattern, normalize_runs
-from flexsparse.masks.base import Intersection, Union
+from flexsparse.masks.base import Geometry, Intersection, Pattern, Union, normalize_runs
 from flexsparse.masks.combine import PerHead
 from flexsparse.masks.esa import ESA
 from flexsparse.masks.window import Causal, SinkWindow
