@@ -1,4 +1,4 @@
-"""Command line: `flexsparse demo | verify | bench | show`.
+"""Command line: `flexsparse demo [--hf] | verify | bench [--hf] | show`.
 
 Exit codes: 0 success (for `verify`: hole-free), 1 `verify` found a hole, 2 a usage or input error, reported as
 one line on stderr (argparse's own usage errors also exit 2).
@@ -35,10 +35,20 @@ def _positive(name: str, value: int | None) -> None:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from flexsparse.tools.demo import run_demo
-
     _positive("--seq", args.seq)
     _require_cuda(args.device, "--device cuda")
+    if args.hf:
+        if args.seq is not None:
+            raise CommandError("--seq does not apply to --hf (the demo's prompts are fixed)")
+        if importlib.util.find_spec("transformers") is None:
+            raise CommandError("demo --hf needs transformers: pip install 'flexsparse[hf]'")
+        from flexsparse.tools.demo_hf import run_hf_demo
+
+        device = args.device or "cpu"
+        run_hf_demo(device=device, backend=args.backend or ("flex" if device.startswith("cuda") else "dense"))
+        return EXIT_OK
+    from flexsparse.tools.demo import run_demo
+
     run_demo(device=args.device, backend=args.backend, seq=args.seq)
     return EXIT_OK
 
@@ -96,11 +106,39 @@ def _verify(args: argparse.Namespace) -> int:
     return EXIT_OK if report.hole_free else EXIT_HOLE
 
 
+def _show_xa(kwargs: dict, args: argparse.Namespace) -> int:
+    """XAttention's blocks depend on the input: draw them for synthetic inputs (sinks, windows, needles)."""
+    from flexsparse.masks import XAttention
+    from flexsparse.synthetic import synthetic_attention_inputs
+
+    try:
+        pattern = XAttention(**kwargs, rule=args.rule)
+    except (TypeError, ValueError) as err:
+        raise CommandError(f"bad arguments in spec {args.pattern!r}: {err}") from None
+    if args.seq_len % pattern.stride:
+        raise CommandError(f"--seq-len ({args.seq_len}) must be a multiple of the stride ({pattern.stride})")
+    _require_matplotlib("flexsparse show")
+    from flexsparse.tools.pictures import draw_xa_blocks
+
+    inputs = synthetic_attention_inputs(heads=args.heads, kv_heads=args.heads, seq_len=args.seq_len, head_dim=64,
+                                        seed=args.seed)
+    path = draw_xa_blocks(inputs.q, inputs.k, args.out, threshold=pattern.threshold, stride=pattern.stride,
+                          block_size=pattern.block_size, rule=pattern.rule, titles=inputs.kinds)
+    print(f"wrote {path}")
+    return EXIT_OK
+
+
 def _show(args: argparse.Namespace) -> int:
-    from flexsparse.specs import parse_pattern
+    from flexsparse.specs import parse_pattern, split_spec
 
     _positive("--seq-len", args.seq_len)
     _positive("--layers", args.layers)
+    _positive("--heads", args.heads)
+    name, kwargs = split_spec(args.pattern)
+    if name == "xa":
+        if args.layers:
+            raise CommandError("--layers applies to ESA specs, not to xa")
+        return _show_xa(kwargs, args)
     if args.layers:
         rows = [(f"layer {i}", parse_pattern(args.pattern, layer_idx=i)) for i in range(args.layers)]
     else:
@@ -113,7 +151,22 @@ def _show(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _bench_hf(args: argparse.Namespace) -> int:
+    if importlib.util.find_spec("transformers") is None:
+        raise CommandError("bench --hf needs transformers: pip install 'flexsparse[hf]'")
+    if not args.smoke:
+        _require_cuda("cuda", "flexsparse bench --hf (use --smoke for toy sizes on the CPU)")
+    from flexsparse.tools.bench_hf import SMOKE, HfBenchConfig, run_hf_bench
+
+    run_hf_bench(SMOKE if args.smoke else HfBenchConfig(), args.out)
+    return EXIT_OK
+
+
 def _bench(args: argparse.Namespace) -> int:
+    if args.hf or args.smoke:
+        if not args.hf:
+            raise CommandError("--smoke applies to --hf")
+        return _bench_hf(args)
     for seq in args.seq:
         _positive("--seq", seq)
     _require_cuda("cuda", "flexsparse bench")
@@ -133,6 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--backend", default=None, choices=["flex", "flex_eager", "dense"],
                       help="default: flex on CUDA, flex_eager (uncompiled, exact) on CPU")
     demo.add_argument("--seq", type=int, default=None, help="sequence length (default 1024 on CPU, 4096 on CUDA)")
+    demo.add_argument("--hf", action="store_true",
+                      help="a tiny random Llama through flexsparse.convert: padded prefill, generate() with the "
+                           "sparse KV cache, save/load, revert (default device cpu)")
     demo.set_defaults(run=_demo)
 
     verify = sub.add_parser("verify", help="prove a stack of layers has no attention holes "
@@ -153,10 +209,15 @@ def build_parser() -> argparse.ArgumentParser:
                                                                    "(default 4,194,304)")
     verify.set_defaults(run=_verify)
 
-    show = sub.add_parser("show", help="write a PNG of a pattern's mask per head (per layer with --layers)")
+    show = sub.add_parser("show", help="write a PNG of a pattern's mask per head (per layer with --layers); "
+                                       "'xa:threshold=0.9,stride=16,block_size=128' draws XAttention's blocks on "
+                                       "synthetic inputs")
     show.add_argument("pattern", help="a spec, e.g. 'esa:num_layers=12,attn_length=32,num_heads=8'")
     show.add_argument("--seq-len", type=int, default=512)
     show.add_argument("--layers", type=int, default=None, help="draw ESA layers 0..N-1 (layer_idx by row)")
+    show.add_argument("--heads", type=int, default=8, help="xa: synthetic heads drawn (one per kind)")
+    show.add_argument("--seed", type=int, default=0, help="xa: seed of the synthetic inputs")
+    show.add_argument("--rule", default="plus_one", help="xa: block selection rule, plus_one or minimal")
     show.add_argument("--out", default="pattern.png")
     show.set_defaults(run=_show)
 
@@ -165,6 +226,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--forward-only", action="store_true")
     bench.add_argument("--out", default="bench/results")
     bench.add_argument("--only", default=None, help="run only configurations whose name contains this text")
+    bench.add_argument("--hf", action="store_true",
+                       help="the transformers suite instead: decode step per layer against all-full SDPA, KV "
+                            "memory, generate() tokens/s (writes hf-bench.json)")
+    bench.add_argument("--smoke", action="store_true", help="with --hf: toy sizes on the CPU (checks the suite)")
     bench.set_defaults(run=_bench)
     return parser
 

@@ -29,19 +29,25 @@ def _number(text: str, key: str, spec: str) -> int | float:
         raise ValueError(f"the value of {key!r} must be a number, got {text!r} in spec {spec!r}") from None
 
 
-def parse_pattern(spec: str, layer_idx: int | None = None) -> Pattern:
-    """One pattern from ``name[:key=value,...]`` (values are ints or floats)."""
+def split_spec(spec: str) -> tuple[str, dict[str, int | float]]:
+    """``name[:key=value,...]`` -> (name, {key: int or float}), without checking the name."""
     if not isinstance(spec, str):
         raise ValueError(f"a pattern spec must be a string, got {spec!r}")
     name, _, args = spec.strip().partition(":")
-    if name not in PATTERNS:
-        raise ValueError(f"unknown pattern {name!r} in spec {spec!r}; known: {sorted(PATTERNS)}")
     kwargs: dict[str, int | float] = {}
     for item in filter(None, args.split(",")):
         key, eq, value = item.partition("=")
         if not eq:
             raise ValueError(f"spec arguments are key=value, got {item!r} in {spec!r}")
         kwargs[key.strip()] = _number(value.strip(), key.strip(), spec)
+    return name, kwargs
+
+
+def parse_pattern(spec: str, layer_idx: int | None = None) -> Pattern:
+    """One pattern from ``name[:key=value,...]`` (values are ints or floats)."""
+    name, kwargs = split_spec(spec)
+    if name not in PATTERNS:
+        raise ValueError(f"unknown pattern {name!r} in spec {spec!r}; known: {sorted(PATTERNS)}")
     if PATTERNS[name] is ESA and "layer_idx" not in kwargs and layer_idx is not None:
         kwargs["layer_idx"] = layer_idx
     try:

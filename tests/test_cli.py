@@ -1,6 +1,9 @@
 """The command line: demo, verify (exit codes), show (PNG), one-line errors, and pattern specs."""
 
+import contextlib
+import importlib
 import importlib.util
+import io
 import json
 import subprocess
 import sys
@@ -66,6 +69,14 @@ no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the messa
     (["bench", "--seq", "0"], "--seq must be >= 1"),
     pytest.param(["bench", "--seq", "128"], "flexsparse bench needs a CUDA device", marks=no_cuda),
     (["demo", "--seq", "-4"], "--seq must be >= 1"),
+    (["demo", "--hf", "--seq", "64"], "--seq does not apply to --hf"),
+    (["show", "xa:threshold=1.5"], "threshold must be in (0, 1]"),
+    (["show", "xa", "--rule", "greedy"], "rule must be one of"),
+    (["show", "xa", "--seq-len", "100"], "must be a multiple of the stride (16)"),
+    (["show", "xa", "--layers", "2"], "--layers applies to ESA specs"),
+    (["show", "xa", "--heads", "0"], "--heads must be >= 1"),
+    (["bench", "--smoke"], "--smoke applies to --hf"),
+    pytest.param(["bench", "--hf"], "use --smoke for toy sizes on the CPU", marks=no_cuda),
 ])
 def test_input_errors_exit_2_with_one_line(argv, message, capsys):
     assert main(argv) == 2
@@ -125,6 +136,31 @@ def test_show_writes_a_png(tmp_path):
     assert main(["show", "esa:num_layers=3,attn_length=8,num_heads=2", "--layers", "3", "--seq-len", "64",
                  "--out", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_show_xa_draws_the_blocks_of_synthetic_inputs(tmp_path, capsys):
+    out = tmp_path / "xa.png"
+    assert main(["show", "xa:threshold=0.8,stride=8,block_size=32", "--seq-len", "256", "--heads", "3",
+                 "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"wrote {out}" in capsys.readouterr().out
+
+
+def test_demo_hf_checks_the_converted_model():
+    pytest.importorskip("transformers")
+    report = io.StringIO()
+    with contextlib.redirect_stdout(report):
+        assert main(["demo", "--hf"]) == 0
+    text = report.getvalue()
+    assert "max |logit error| 0.00e+00, generated tokens equal 64/64" in text
+    assert "sparse KV cache vs full recompute (use_cache=False): tokens equal 64/64" in text
+
+
+def test_bench_hf_smoke_writes_its_json(tmp_path):
+    pytest.importorskip("transformers")
+    assert main(["bench", "--hf", "--smoke", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "hf-bench.json").read_text())
+    assert len(result["decode"]) == 4 and len(result["generate"]) == 4
+    assert all(row["first_step_error"] < 1e-4 and row["kv_saved"] > 1 for row in result["decode"])
 
 
 def test_specs():

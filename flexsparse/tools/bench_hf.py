@@ -299,12 +299,12 @@ def bench_generate(cfg: HfBenchConfig, model, seq: int) -> list[dict]:
         else:
             revert(model)
         generate_timed(model, ids, 2, dev)  # warm-up: compiles flex at this length
-        prefill_s, _ = generate_timed(model, ids, 1, dev)
+        prefill_s = min(generate_timed(model, ids, 1, dev)[0] for _ in range(2))
         total_s, peak = generate_timed(model, ids, cfg.new_tokens, dev)
-        decode_s = max(total_s - prefill_s, 1e-9)
+        decode_s = total_s - prefill_s  # None below: the decode steps took less than the prefill's noise
+        tokens_per_s = cfg.e2e_batch * (cfg.new_tokens - 1) / decode_s if decode_s > 0.05 * total_s else None
         rows.append(dict(config=name, seq=seq, batch=cfg.e2e_batch, new_tokens=cfg.new_tokens, prefill_s=prefill_s,
-                         generate_s=total_s, decode_tokens_per_s=cfg.e2e_batch * (cfg.new_tokens - 1) / decode_s,
-                         peak_memory_bytes=peak))
+                         generate_s=total_s, decode_tokens_per_s=tokens_per_s, peak_memory_bytes=peak))
     return rows
 
 
@@ -340,8 +340,10 @@ def run_hf_bench(cfg: HfBenchConfig | None = None, out_dir: str | Path = "bench/
         for seq in cfg.e2e_seqs:
             for row in bench_generate(cfg, model, seq):
                 result["generate"].append(row)
+                rate = row["decode_tokens_per_s"]
+                rate = "too short to time" if rate is None else f"{rate:.1f} tokens/s"
                 log(f"generate, {seq:,}-token prompt, {row['config']}: prefill {row['prefill_s']:.2f} s, decode "
-                    f"{row['decode_tokens_per_s']:.1f} tokens/s, peak +{row['peak_memory_bytes'] / 2**30:.2f} GiB")
+                    f"{rate}, peak +{row['peak_memory_bytes'] / 2**30:.2f} GiB")
             path.write_text(json.dumps(result, indent=1))
             _empty_cache(dev)
         del model
