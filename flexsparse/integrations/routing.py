@@ -10,7 +10,7 @@ sequence's modes at prefill; decode steps reuse the decision.
   has one, else on ``k_proj`` (``q_proj``), records the states before RoPE and after any norm, reshaped to
   ``[B, S, H, d]`` and detached (routers do not train the model). The hooks are removed by ``revert``.
 * **When it decides**: a forward whose queries are all the keys (prefill, training) routes from its states and
-  the pooling mask (the forward's padding mask, or :func:`pooling`'s), and runs the layer with the routing's
+  the pooling mask (the forward's padding mask, or :func:`pooling_mask`'s), and runs the layer with the routing's
   per-sequence modes ``[B, H_kv]`` (one HybridAttention call), or in training with gradients the straight-through
   mix of full and sparse outputs (:func:`~flexsparse.routers.routed_attention`). A forward with fewer queries than
   keys (decode with a cache) reuses the last prefill's modes: the router never sees decode tokens.
@@ -214,10 +214,10 @@ def training(model: nn.Module, tau: float = 1.0, *, hard: bool = True,
 
 
 @contextmanager
-def pooling(model: nn.Module, pool_mask: Tensor | None) -> Iterator[None]:
+def pooling_mask(model: nn.Module, pool_mask: Tensor | None) -> Iterator[None]:
     """The routers pool the tokens ``pool_mask`` marks (bool ``[B, S]``, e.g. the prompt of prompt + answer
     training sequences) in the forwards inside the block, instead of the padding mask."""
-    _, settings = _settings(model, "pooling")
+    _, settings = _settings(model, "pooling_mask")
     if pool_mask is not None and (not isinstance(pool_mask, Tensor) or pool_mask.dim() != 2):
         raise ValueError(f"pool_mask must be a bool tensor [B, S], got "
                          f"{tuple(pool_mask.shape) if isinstance(pool_mask, Tensor) else type(pool_mask).__name__}")
