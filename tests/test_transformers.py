@@ -246,17 +246,18 @@ def test_save_config_describes_combined_patterns_and_refuses_unknown_ones(tmp_pa
 
 
 def test_learned_tensors_go_to_safetensors(tmp_path):
-    """Routers (later) are modules on a layer's flexsparse state: their tensors are saved beside the JSON."""
+    """Learned modules on a layer's flexsparse state (routers: tests/test_router_integration.py) are saved beside
+    the JSON; tensors load_config cannot place are refused."""
     from safetensors.torch import load_file
 
     model = convert(tiny_model("llama"), PATTERNS, ALL_FULL, backend="dense")
     router = nn.Linear(4, 2)
-    model.model.layers[1].self_attn.flexsparse.router = router
+    model.model.layers[1].self_attn.flexsparse.extra = router
     save_config(model, tmp_path)
     saved = json.loads((tmp_path / "flexsparse.json").read_text())
     tensors = load_file(str(tmp_path / saved["weights"]))
-    assert set(tensors) == {"layers.1.router.weight", "layers.1.router.bias"}
-    torch.testing.assert_close(tensors["layers.1.router.weight"], router.weight.detach())
+    assert set(tensors) == {"layers.1.extra.weight", "layers.1.extra.bias"}
+    torch.testing.assert_close(tensors["layers.1.extra.weight"], router.weight.detach())
     with pytest.raises(ValueError, match=r"layer 1: .*cannot rebuild"):
         load_config(tiny_model("llama"), tmp_path)
 

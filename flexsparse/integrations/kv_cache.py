@@ -23,7 +23,7 @@ exactly (:func:`kv_memory_formula`), and an all-full model's cache has the size 
 
 Decoding uses the modes the cache was built with (the layer's modes at prefill; converting again invalidates the
 cache). Modes chosen per call and per sequence (a router) need every key in every head: such layers must use a
-DynamicCache.
+DynamicCache (the cache refuses routed models; ``generate()`` keeps its DynamicCache for them).
 """
 
 from __future__ import annotations
@@ -343,6 +343,11 @@ class SparseKVCache(Cache):
         layers = sparse_layers(model)
         if not layers:
             raise ValueError("SparseKVCache needs a model converted with flexsparse.convert")
+        routed = [layer.layer_idx for layer in layers if layer.router is not None]
+        if routed:
+            raise ValueError(f"SparseKVCache cannot serve routed layers {routed}: their modes are chosen per "
+                             "sequence, so every head needs every key; use a DynamicCache (generate() picks one "
+                             "by itself)")
         max_length = None if max_length is None else as_int("max_length", max_length, minimum=1)
         super().__init__(layers=[SparseKVLayer(layer, max_length) for layer in layers])
 

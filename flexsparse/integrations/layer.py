@@ -14,19 +14,37 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
+import torch
 from torch import Tensor, nn
 
 from flexsparse.attention import HybridAttention
 from flexsparse.masks import Causal, Pattern, SinkWindow
+from flexsparse.routers import Router, Routing
 
 DECODE_FULL = "_decode_full"
 """Name of the Causal pattern added to a layer whose patterns have no full one: a sink+window head decodes as full
 attention over its ring buffer (the ring holds exactly the keys its pattern attends)."""
 
 GroupKind = Literal["full", "keep", "ring"]
+
+
+@dataclass
+class RouterSettings:
+    """How a converted model's routers run, shared by its routed layers (set by
+    :func:`flexsparse.routers.training` and :func:`flexsparse.routers.pooling_mask`).
+
+    ``tau``: Gumbel-softmax temperature in training; ``hard``: straight-through hard weights (False: soft);
+    ``pool_mask``: bool ``[B, S]``, the tokens the routers pool in the next forwards (None: the padding mask);
+    ``generator``: for the Gumbel noise.
+    """
+
+    tau: float = 1.0
+    hard: bool = True
+    pool_mask: Tensor | None = None
+    generator: torch.Generator | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -65,12 +83,23 @@ class SparseAttentionLayer(nn.Module):
     ``attention`` runs the layer; ``patterns`` and ``modes`` are the user's (names and per-KV-head indices);
     ``groups`` is the sparse KV cache's head grouping for these modes. Between a cache's ``update`` and the
     attention function, the layer holds the update (:meth:`stage`, :meth:`take_staged`).
+
+    A routed layer also carries its ``router`` (a submodule: its weights are the state's learned tensors), the
+    model's shared :class:`RouterSettings`, the states its capture hook recorded for the running forward
+    (``captured``, ``[B, S, H, d]``), the last prefill's :class:`~flexsparse.routers.Routing` (``routing``) and
+    its per-sequence modes ``prefill_modes`` (int64 ``[B, H_kv]``), which decode steps reuse.
     """
 
     def __init__(self, layer_idx: int, path: str, num_heads: int, num_kv_heads: int, head_dim: int,
                  patterns: Mapping[str, Pattern], modes: Sequence[int], *, block_size: int, backend: str,
-                 plan: str) -> None:
+                 plan: str, router: Router | None = None) -> None:
         super().__init__()
+        self.router = router
+        self.settings = RouterSettings()
+        self.captured: Tensor | None = None
+        self.routing: Routing | None = None
+        self.prefill_modes: Tensor | None = None
+        self.hooks: list = []
         self.layer_idx, self.path = layer_idx, path
         self.patterns = OrderedDict(patterns)
         self.modes = tuple(modes)
@@ -117,6 +146,12 @@ class SparseAttentionLayer(nn.Module):
                              "the update); flexsparse's cache cannot serve this model, pass use_cache=False or a "
                              "DynamicCache")
         return cache_layer
+
+    def remove_hooks(self) -> None:
+        """Remove the router's capture hooks from the attention module."""
+        for handle in self.hooks:
+            handle.remove()
+        self.hooks = []
 
     def extra_repr(self) -> str:
         return f"layer_idx={self.layer_idx}, modes={self.mode_names}"

@@ -7,12 +7,14 @@
      "options": {"block_size": 128, "backend": "auto", "plan": "auto"},
      "patterns": {"full": {"type": "causal"}, "ssa": {"type": "sink_window", "sink": 128, "window": 2048}},
      "layers": [{"modes": ["full", "ssa"]}, {"modes": ["ssa", "ssa"]},
-                {"modes": ["ssa", "full"], "patterns": {...}}],     # "patterns" only where a layer has its own
+                {"modes": ["ssa", "full"], "patterns": {...},      # "patterns" only where a layer has its own
+                 "router": {"kind": "head", "head_dim": 128, ...}}], # "router" only on routed layers
      "weights": "flexsparse.safetensors"}                            # only when some layer has learned tensors
 
-Learned tensors (parameters and persistent buffers of each layer's flexsparse state, e.g. a router added later)
-are stored in ``flexsparse.safetensors`` under ``layers.<index>.<name>``. ``load_config(model, directory)``
-converts ``model`` with the saved patterns, modes and options, then loads those tensors.
+Learned tensors (parameters and persistent buffers of each layer's flexsparse state: its router's weights) are
+stored in ``flexsparse.safetensors`` under ``layers.<index>.<name>`` (``layers.3.router.task_mlp.0.weight``).
+``load_config(model, directory)`` rebuilds each layer's router from its config (``Router.from_config``),
+converts ``model`` with the saved patterns, modes, options and routers, then loads those tensors.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from torch import nn
 from flexsparse.integrations.layer import sparse_layers
 from flexsparse.integrations.transformers import attention_layers, convert, layer_heads
 from flexsparse.masks import ESA, Causal, Intersection, Pattern, SinkWindow, TriangleMix, Union, XAttention
+from flexsparse.routers import Router
 
 CONFIG_FILE = "flexsparse.json"
 WEIGHTS_FILE = "flexsparse.safetensors"
@@ -96,6 +99,8 @@ def save_config(model: nn.Module, directory: str | Path) -> Path:
         own = _patterns_to_dict(layer.patterns)
         if own != shared:
             entry["patterns"] = own
+        if layer.router is not None:
+            entry["router"] = layer.router.config()
         entries.append(entry)
         for name, tensor in layer.state_dict().items():
             tensors[f"layers.{layer.layer_idx}.{name}"] = tensor.detach().cpu().contiguous()
@@ -139,7 +144,12 @@ def load_config(model: nn.Module, directory: str | Path) -> nn.Module:
                              f"has {found[0]} / {found[1]}")
     patterns = [{name: pattern_from_dict(spec) for name, spec in entry.get("patterns", config["patterns"]).items()}
                 for entry in config["layers"]]
-    convert(model, patterns, [entry["modes"] for entry in config["layers"]], **config.get("options", {}))
+    routers = [entry.get("router") for entry in config["layers"]]
+    factory = None
+    if any(routers):
+        factory = lambda index: None if routers[index] is None else Router.from_config(routers[index])
+    convert(model, patterns, [entry["modes"] for entry in config["layers"]], router=factory,
+            **config.get("options", {}))
     if "weights" in config:
         from safetensors.torch import load_file
 

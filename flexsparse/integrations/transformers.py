@@ -32,7 +32,14 @@ from transformers.modeling_utils import AttentionInterface, PreTrainedModel
 
 from flexsparse.integrations.forward_mask import ForwardMask
 from flexsparse.integrations.kv_cache import SparseKVCache
-from flexsparse.integrations.layer import SparseAttentionLayer, sparse_layers
+from flexsparse.integrations.layer import RouterSettings, SparseAttentionLayer, sparse_layers
+from flexsparse.integrations.routing import (
+    RouterFactory,
+    attach_router,
+    check_router,
+    routed_layer_attention,
+    router_factory,
+)
 from flexsparse.masks import Pattern
 from flexsparse.validation import as_int
 
@@ -88,6 +95,10 @@ def flexsparse_attention(module: nn.Module, query: Tensor, key: Tensor, value: T
                          f"{type(attention_mask).__name__} mask (a prepared 4-D mask, or a model that builds its own "
                          "masks instead of create_causal_mask)")
     scale = None if scaling is None else float(scaling)
+    if layer.router is not None:
+        if attention_mask is not None and attention_mask.kv_len != key.shape[2]:
+            raise ValueError(f"{where}: the mask covers {attention_mask.kv_len} keys, the layer got {key.shape[2]}")
+        return routed_layer_attention(layer, query, key, value, attention_mask, scale).transpose(1, 2), None
     cache_layer = layer.take_staged(key, value)
     if cache_layer is not None:
         out = cache_layer.attend(query, key, value, attention_mask, scale)
@@ -224,38 +235,64 @@ def layer_heads(module: nn.Module) -> tuple[int, int, int]:
 
 
 def convert(model: PreTrainedModel, patterns: Mapping[str, Pattern] | Sequence[Mapping[str, Pattern]],
-            modes: Sequence[Sequence[str | int]], *, block_size: int = 128, backend: str = "auto",
+            modes: Sequence[Sequence[str | int]] | None = None, *, router: str | RouterFactory | None = None,
+            router_options: Mapping | None = None, block_size: int = 128, backend: str = "auto",
             plan: str = "auto") -> PreTrainedModel:
     """Run ``model``'s attention through flexsparse, in place; returns the model.
 
     ``patterns``: name -> Pattern shared by every layer, or one such mapping per layer. ``modes``: one list per
-    layer of per-KV-head pattern names or indices. ``block_size``, ``backend``, ``plan``: HybridAttention's. A
-    converted model's forward runs every layer through its HybridAttention (padded batches included) and its
-    ``generate()`` uses a :class:`SparseKVCache`. Converting a converted model replaces its configuration.
+    layer of per-KV-head pattern names or indices (with a router: optional, the layers' default modes, all the
+    router's full pattern when None). ``block_size``, ``backend``, ``plan``: HybridAttention's. A converted
+    model's forward runs every layer through its HybridAttention (padded batches included) and its ``generate()``
+    uses a :class:`SparseKVCache`. Converting a converted model replaces its configuration.
+
+    ``router``: ``"head"`` (a :class:`~flexsparse.routers.HeadRouter` per layer, one decision per sequence and KV
+    head, from key states), ``"layer"`` (:class:`~flexsparse.routers.LayerRouter`, one per sequence and layer,
+    from query states), or a function ``layer_idx -> Router | None`` (None: that layer keeps its static modes).
+    ``router_options`` (with "head" / "layer"): ``pool_size``, ``init_std``, and ``full`` / ``sparse``, the names
+    of the two patterns a router chooses between (default: the first full pattern and the first other one). A
+    routed model chooses each sequence's modes at prefill and reuses them at decode; ``generate()`` then uses a
+    DynamicCache (every head keeps every key). See :mod:`flexsparse.integrations.routing`.
     """
     register()
     layers = attention_layers(model)
     per_layer = _layer_patterns(patterns, len(layers))
     heads = [layer_heads(module) for _, module in layers]
+    routers: list = [None] * len(layers)
+    if router is not None:
+        factory = router_factory(router, router_options, per_layer, [dim for _, _, dim in heads])
+        for index, ((path, _), layer_patterns, (_, _, dim)) in enumerate(zip(layers, per_layer, heads)):
+            routers[index] = factory(index)
+            check_router(routers[index], index, f"layer {index} ({path})", dim, layer_patterns)
+    elif router_options is not None:
+        raise TypeError("router_options needs a router (router='head' or 'layer')")
+    if modes is None:
+        unrouted = [index for index, found in enumerate(routers) if found is None]
+        if unrouted:
+            raise ValueError(f"modes is required for layers without a router (layers {unrouted})")
+        modes = [[found.full_mode] * kv for found, (_, kv, _) in zip(routers, heads)]
     mode_indices = _layer_modes(modes, per_layer, [kv for _, kv, _ in heads])
     states = []
-    for index, ((path, module), layer_patterns, (num_heads, num_kv, dim), layer_modes) in enumerate(
-            zip(layers, per_layer, heads, mode_indices)):
+    for index, ((path, module), layer_patterns, (num_heads, num_kv, dim), layer_modes, layer_router) in enumerate(
+            zip(layers, per_layer, heads, mode_indices, routers)):
         try:
             state = SparseAttentionLayer(index, path, num_heads, num_kv, dim, layer_patterns, layer_modes,
-                                         block_size=block_size, backend=backend, plan=plan)
+                                         block_size=block_size, backend=backend, plan=plan, router=layer_router)
         except (TypeError, ValueError) as err:
             raise type(err)(f"layer {index} ({path}): {err}") from err
+        state.train(model.training)  # a router samples (Gumbel) only in training mode, as the model does
         parameter = next(module.parameters(), None)
         states.append(state if parameter is None else state.to(parameter.device))
     previous = getattr(model, "_flexsparse_previous_attention", None) or model.config._attn_implementation
     _detach(model)
-    for (_, module), state in zip(layers, states):
+    settings = RouterSettings()
+    for (path, module), state in zip(layers, states):
         module.flexsparse = state
+        if state.router is not None:
+            attach_router(module, state, settings, f"layer {state.layer_idx} ({path})")
     model.set_attn_implementation(ATTENTION_NAME)
     if model.config._attn_implementation != ATTENTION_NAME:
-        for _, module in layers:
-            del module.flexsparse
+        _detach(model)
         raise ValueError(f"{type(model).__name__} does not let transformers set its attention implementation "
                          "(set_attn_implementation refused), so flexsparse cannot route its attention")
     model._flexsparse_previous_attention = previous
@@ -280,6 +317,7 @@ def _detach(model: nn.Module) -> None:
         state = getattr(module, "flexsparse", None)
         if isinstance(state, SparseAttentionLayer):
             state.attached = False
+            state.remove_hooks()
             del module.flexsparse
 
 
@@ -294,7 +332,8 @@ def layer_modes(model: nn.Module) -> list[list[str]]:
 
 def _prepare_sparse_cache(self, generation_config, model_kwargs: dict, *args, **kwargs):
     """``generate()``'s cache preparation on a converted model: transformers' own, then its default DynamicCache
-    replaced by a SparseKVCache sized for the generation (``max_cache_length``, the last positional argument)."""
+    replaced by a SparseKVCache sized for the generation (``max_cache_length``, the last positional argument).
+    A routed model keeps the DynamicCache: its modes are chosen per sequence, so every head needs every key."""
     type(self)._prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs)
     cache = model_kwargs.get("past_key_values")
     if getattr(cache, "is_compileable", False):
@@ -304,6 +343,7 @@ def _prepare_sparse_cache(self, generation_config, model_kwargs: dict, *args, **
     max_length = kwargs.get("max_cache_length", args[-1] if args else None)
     if (type(cache) is DynamicCache and not getattr(cache, "_is_user_defined", False)
             and generation_config.cache_implementation in (None, "dynamic")
-            and not getattr(generation_config, "is_assistant", False)):
+            and not getattr(generation_config, "is_assistant", False)
+            and not any(layer.router is not None for layer in sparse_layers(self))):
         model_kwargs["past_key_values"] = SparseKVCache(self, max_length=max_length)
 
