@@ -240,3 +240,29 @@ def test_qwen3_8b_like_cache_at_128k_is_3_8x_smaller():
     all_full = 2 * 8 * seq * 128 * 2
     assert cache.memory_bytes() == kv_memory_formula(model, 1, seq, torch.bfloat16) == 2 * 128 * 2 * (2 * seq + 6 * 2176)
     assert all_full / cache.memory_bytes() == pytest.approx(3.81, abs=0.005)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_unpadded_decode_reads_filled_slots_without_masks(padded, monkeypatch):
+    """Full and ring heads decode as mask-free SDPA over their filled slots while no token is padding (the flash
+    kernel on CUDA), and through position masks once one is; the logits equal the uncached model's either way."""
+    import flexsparse.integrations.kv_cache as kv_cache
+
+    calls = []
+    original = kv_cache.SparseKVLayer.attend
+
+    def spy(self, q, key, value, mask, scale):
+        out = original(self, q, key, value, mask, scale)
+        calls.append(self.padded)
+        return out
+
+    monkeypatch.setattr(kv_cache.SparseKVLayer, "attend", spy)
+    model = convert(tiny_model("llama"), PATTERNS, MIXED, backend="dense")
+    ids, mask = left_padded([14, 10] if padded else [14, 14])
+    cache = SparseKVCache(model)
+    forward_logits(model, ids[:, :8], mask[:, :8], cache)
+    steps = [forward_logits(model, ids[:, t:t + 1], mask[:, :t + 1], cache) for t in range(8, 14)]
+    alone = forward_logits(model, ids, mask)
+    real = mask[:, 8:14].bool()
+    torch.testing.assert_close(torch.cat(steps, 1)[real], alone[:, 8:14][real], atol=1e-4, rtol=0)
+    assert set(calls) == {padded}

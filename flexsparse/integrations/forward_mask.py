@@ -49,6 +49,13 @@ class ForwardMask:
             self.memo["has_padding"] = self.padding is not None and not bool(self.padding.all())
         return self.memo["has_padding"]
 
+    def new_tokens_padded(self) -> bool:
+        """Whether any query token (a new one) is padding: one host sync per forward, memoised for its layers."""
+        if "new_tokens_padded" not in self.memo:
+            rows = self.padding[:, self.q_start:self.q_start + self.q_len] if self.padding is not None else None
+            self.memo["new_tokens_padded"] = rows is not None and not bool(rows.all())
+        return self.memo["new_tokens_padded"]
+
     def positions(self) -> Positions | None:
         """Positions of the queries and of every token as a key slot; None for a prefill without padding (the
         contiguous layout, which runs SDPA's causal kernel and flex without position tables)."""

@@ -15,6 +15,13 @@ Per layer, the KV heads are grouped by :func:`~flexsparse.integrations.layer.cac
   window key leaves) and attends every filled slot as full attention: the ring holds exactly the keys the pattern
   attends. A chunk of several tokens attends the ring and the chunk in the heads' own pattern, then rewrites it.
 
+Decode while no cached token is padding (the common case: a prompt without padding, and generate() marks every
+new token real) runs full and ring heads as plain SDPA over their first filled slots, GQA without a K/V copy:
+every filled slot is a key the query attends, so no mask is needed and SDPA's flash kernel serves it. Whether the
+new tokens hold padding is read once per forward for all layers (one host sync, none without a padding mask;
+generate() syncs every step anyway); a padded prompt, chunk or token sends decode through the position-masked
+path below from then on.
+
 Each group runs as one HybridAttention call (``kv_heads=``) per step: no per-head loop, no host sync (slots and
 positions are computed on the device from the padding mask, once per forward for all layers), and compiled calls
 see bucket lengths only. Memory per layer is ``2 x B x d x bytes x`` the groups' slots; with generate()'s maximum
@@ -31,6 +38,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -122,6 +130,13 @@ class _GroupCache:
         if self.keys is not None:
             self.keys, self.values = fn(self.keys), fn(self.values)
 
+    def attend_filled(self, q: Tensor, filled: int, scale: float | None) -> Tensor:
+        """One query per sequence against the first ``filled`` slots, every one a key it attends: SDPA without a
+        mask, GQA without a K/V copy (the flash kernel; a position mask would send SDPA to a slower one)."""
+        q_group = self.pick_q(q)
+        return F.scaled_dot_product_attention(q_group, self.keys[:, :, :filled], self.values[:, :, :filled],
+                                              scale=scale, enable_gqa=q_group.shape[1] > self.keys.shape[1])
+
 
 class _EveryKey(_GroupCache):
     """Heads that keep every token: slot t holds token t; the whole buffer is attended, its empty slots masked by
@@ -150,8 +165,10 @@ class _EveryKey(_GroupCache):
         self.values[:, :, past:end] = self.pick_kv(value)
 
     def attend(self, layer: SparseAttentionLayer, q: Tensor, key: Tensor, value: Tensor, mask: ForwardMask,
-               past: int, scale: float | None) -> Tensor:
+               past: int, scale: float | None, unpadded_decode: bool = False) -> Tensor:
         self.write(key, value, past)
+        if unpadded_decode and self.group.kind == "full":  # slots 0..past are the tokens, all attended
+            return self.attend_filled(q, past + 1, scale)
         return layer.attention(self.pick_q(q), self.keys, self.values, positions=mask.positions_in(self.capacity),
                                kv_heads=self.group.kv_heads, scale=scale)
 
@@ -185,7 +202,9 @@ class _Ring(_GroupCache):
         after = self._slot_positions(mask, past + q_len).long()  # [B', R]
         new_positions = mask.new_positions()  # [B', q]
         ordered = torch.where(new_positions < span, new_positions, -1).cummax(-1).values
-        token = torch.searchsorted(ordered, after).clamp(max=q_len - 1)  # the new token holding that position
+        rows = max(ordered.shape[0], after.shape[0])  # B' is 1 for tables shared by the batch (no padding)
+        ordered, after = ordered.expand(rows, -1).contiguous(), after.expand(rows, -1)
+        token = torch.searchsorted(ordered, after.contiguous()).clamp(max=q_len - 1)  # the new token at that position
         from_new = (after >= mask.real_counts(past)[:, None]) & (after < span)
         batch, heads, _, dim = self.keys.shape
         index = token[:, None, :, None].expand(batch, heads, self.capacity, dim)
@@ -208,11 +227,13 @@ class _Ring(_GroupCache):
         self.values[rows, :, slot] = self.pick_kv(value)[:, :, 0]
 
     def attend(self, layer: SparseAttentionLayer, q: Tensor, key: Tensor, value: Tensor, mask: ForwardMask,
-               past: int, scale: float | None) -> Tensor:
+               past: int, scale: float | None, unpadded_decode: bool = False) -> Tensor:
         q_group, tokens = self.pick_q(q), past + key.shape[2]
         table = mask.table_positions()
         if key.shape[2] == 1:  # decode: write, then attend every filled slot (they are the pattern's keys)
             self.write_one(key, value, mask, tokens)
+            if unpadded_decode:  # without padding the filled slots are the first min(tokens, capacity)
+                return self.attend_filled(q, min(tokens, self.capacity), scale)
             positions = mask.memo.get(("ring positions", self.sink, self.window, self.capacity))
             if positions is None:
                 positions = Positions(table.q, self._slot_positions(mask, tokens), mask.span)
@@ -240,6 +261,7 @@ class SparseKVLayer(CacheLayerMixin):
         super().__init__()
         self.layer = layer
         self.tokens = 0
+        self.padded = False  # whether the prompt or a chunk held padding (known on the host at prefill)
         options = layer.options
         compiled = options["backend"] in ("auto", "flex")
         self.groups: list[_GroupCache] = []
@@ -286,10 +308,16 @@ class SparseKVLayer(CacheLayerMixin):
                              f"tokens, the cache has {q_len} new of {self.tokens}")
         if past == 0:  # prefill: every head over the prompt, then the groups keep what they need
             out = layer.attention(q, key, value, positions=mask.positions(), scale=scale)
+            self.padded = mask.has_padding()  # memoised by positions(): no extra sync
             for group in self.groups:
                 group.write(key, value, 0) if isinstance(group, _EveryKey) else group.rewrite(key, value, mask, 0)
             return out
-        results = [(group.q_index, group.attend(layer, q, key, value, mask, past, scale)) for group in self.groups]
+        # While no token so far was padding, full and ring heads read a prefix of filled slots: plain SDPA, no
+        # position tables, no per-step plan. A padding token anywhere sends this and later steps to the masks.
+        self.padded = self.padded or mask.new_tokens_padded()
+        unpadded_decode = q_len == 1 and not self.padded
+        results = [(group.q_index, group.attend(layer, q, key, value, mask, past, scale, unpadded_decode))
+                   for group in self.groups]
         if len(results) == 1:
             return results[0][1]
         out = q.new_empty(q.shape)
@@ -313,6 +341,7 @@ class SparseKVLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.tokens = 0
+        self.padded = False
         for group in self.groups:
             group.keys = group.values = None
 
