@@ -17,3 +17,23 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def triton_interpreter_scalars():
+    """triton-lang/triton#9171: with numpy >= 2.4 the interpreter cannot use a program-id-derived scalar as a loop
+    bound (``int()`` of a 1-element array). Applies the upstream fix (squeeze first) around a module's CPU runs."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        yield
+        return
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interpreter._patch_lang_tensor = patched
+    yield
+    interpreter._patch_lang_tensor = original

@@ -1,18 +1,15 @@
 """XAttention's antidiagonal estimator: the torch path against a literal loop, the fused Triton kernel against the
 torch path (under TRITON_INTERPRET=1 on CPU, natively on the GPU), positions, padding, GQA, recompiles."""
 
-import os
-
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-if not torch.cuda.is_available():  # the Triton kernels run in the interpreter on CPU (set before triton loads)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from flexsparse.kernels.xa_estimate import antidiagonal_block_mass, block_mass_torch
+from flexsparse.synthetic import synthetic_attention_inputs
 
-from flexsparse.kernels.xa_estimate import antidiagonal_block_mass, block_mass_torch  # noqa: E402
-from flexsparse.synthetic import synthetic_attention_inputs  # noqa: E402
+pytestmark = pytest.mark.usefixtures("triton_interpreter_scalars")  # the CPU runs: conftest.py
 
 
 def literal_block_mass(q, k, stride, block, q_start=None, kv_valid_len=None):
@@ -155,26 +152,6 @@ def test_compiled_torch_path_matches_and_does_not_recompile():
 
 triton = pytest.importorskip("triton")
 from flexsparse.kernels import xa_estimate_triton  # noqa: E402
-
-
-@pytest.fixture(scope="module", autouse=True)
-def interpreter_scalars():
-    """triton-lang/triton#9171: with numpy >= 2.4 the interpreter cannot use a program-id-derived scalar as a
-    loop bound (``int()`` of a 1-element array). Apply the upstream fix (squeeze first) for the CPU runs."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        yield
-        return
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
-    interpreter._patch_lang_tensor = patched
-    yield
-    interpreter._patch_lang_tensor = original
 
 
 @pytest.mark.parametrize("batch,heads,kv_heads,q_len,kv_len,dim,stride,block,valid", CASES)

@@ -1,20 +1,17 @@
 """XAttention's block selection: the rules against a literal re-implementation of the reference's, their
 guarantees (hypothesis), geometry (bottom-right offsets, padding), the Triton kernel against the torch rule."""
 
-import os
-
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-if not torch.cuda.is_available():  # the Triton kernels run in the interpreter on CPU (set before triton loads)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from flexsparse.kernels.xa_estimate import block_mass_torch
+from flexsparse.masks import xa_selection
+from flexsparse.masks.xa_selection import estimate_and_select, select_blocks, select_blocks_torch
+from flexsparse.synthetic import synthetic_attention_inputs
 
-from flexsparse.kernels.xa_estimate import block_mass_torch  # noqa: E402
-from flexsparse.masks import xa_selection  # noqa: E402
-from flexsparse.masks.xa_selection import estimate_and_select, select_blocks, select_blocks_torch  # noqa: E402
-from flexsparse.synthetic import synthetic_attention_inputs  # noqa: E402
+pytestmark = pytest.mark.usefixtures("triton_interpreter_scalars")  # the CPU runs: conftest.py
 
 
 def literal_reference_selection(mass, threshold, chunk_blocks):
@@ -187,25 +184,6 @@ def test_selection_rejects_bad_arguments(kwargs, error, match):
 # ----- the Triton kernel ------------------------------------------------------------------------------------
 
 triton = pytest.importorskip("triton")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def interpreter_scalars():
-    """triton-lang/triton#9171 (numpy >= 2.4): the upstream fix, squeeze before int, for the interpreter runs."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        yield
-        return
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
-    interpreter._patch_lang_tensor = patched
-    yield
-    interpreter._patch_lang_tensor = original
 
 
 def distinct_masses(batch, heads, q_blocks, kv_blocks, seed):
