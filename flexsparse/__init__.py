@@ -22,7 +22,7 @@ from flexsparse.runtime.compiled import RecompileLimitError
 
 __version__ = "0.1.0"
 
-_INTEGRATION = ("SparseKVCache", "convert", "load_config", "revert", "save_config")
+_INTEGRATION = ("RouterTrainer", "SparseKVCache", "convert", "load_config", "revert", "save_config")
 
 
 def __getattr__(name: str):

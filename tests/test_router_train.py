@@ -7,16 +7,16 @@ import json
 import pytest
 import torch
 
-from flexsparse.integrations import convert, load_config
-from flexsparse.routers import (
-    CosineAnneal,
+from flexsparse.integrations import (
     RouterTrainer,
-    SparsityConstraint,
+    convert,
     last_routings,
+    load_config,
     pooling_mask,
     routed_layers,
     training,
 )
+from flexsparse.routers import CosineAnneal, SparsityConstraint
 from flexsparse.tools.router_proof import TOY, build_model, make_batch, mixed_batch, run_proof
 from tests.hf_util import one_thread, tiny_model  # noqa: F401  (autouse fixture)
 

@@ -1,18 +1,32 @@
 """flexsparse inside model libraries. ``transformers``: convert / revert a causal LM, a sparse KV cache for
-``generate()``, and its saved configuration (needs the ``hf`` extra: ``pip install flexsparse[hf]``)."""
+``generate()``, routers inside a converted model and their trainer, and its saved configuration (needs the ``hf`` extra: ``pip install flexsparse[hf]``)."""
 
 from flexsparse.integrations.kv_cache import SparseKVCache, kv_memory_formula
+from flexsparse.integrations.router_trainer import RouterTrainer
+from flexsparse.integrations.routing import (
+    last_routings,
+    pooling_mask,
+    routed_layers,
+    router_parameters,
+    training,
+)
 from flexsparse.integrations.serialization import load_config, save_config
 from flexsparse.integrations.transformers import ATTENTION_NAME, convert, is_converted, layer_modes, revert
 
 __all__ = [
     "ATTENTION_NAME",
+    "RouterTrainer",
     "SparseKVCache",
     "convert",
     "is_converted",
     "kv_memory_formula",
+    "last_routings",
     "layer_modes",
     "load_config",
+    "pooling_mask",
     "revert",
+    "routed_layers",
+    "router_parameters",
     "save_config",
+    "training",
 ]

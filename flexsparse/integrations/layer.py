@@ -34,7 +34,7 @@ GroupKind = Literal["full", "keep", "ring"]
 @dataclass
 class RouterSettings:
     """How a converted model's routers run, shared by its routed layers (set by
-    :func:`flexsparse.routers.training` and :func:`flexsparse.routers.pooling_mask`).
+    :func:`flexsparse.integrations.training` and :func:`flexsparse.integrations.pooling_mask`).
 
     ``tau``: Gumbel-softmax temperature in training; ``hard``: straight-through hard weights (False: soft);
     ``pool_mask``: bool ``[B, S]``, the tokens the routers pool in the next forwards (None: the padding mask);

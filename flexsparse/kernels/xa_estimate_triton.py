@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from flexsparse.kernels.xa_estimate import check_estimate_args
+from flexsparse.kernels.xa_args import check_estimate_args
 
 _SCRATCH_BYTES = 2 << 30  # float32 block sums held per launch (rows x key blocks x heads)
 _MAX_SELECT_BLOCKS = 16384  # key blocks a selection row holds in registers

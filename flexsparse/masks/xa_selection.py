@@ -40,7 +40,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from flexsparse.kernels.xa_estimate import Backend, antidiagonal_block_mass, check_estimate_args
+from flexsparse.kernels.xa_args import check_estimate_args
+from flexsparse.kernels.xa_estimate import Backend, antidiagonal_block_mass
 from flexsparse.validation import as_int
 
 Rule = Literal["plus_one", "minimal"]

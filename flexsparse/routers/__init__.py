@@ -8,9 +8,9 @@
 * mixing: the training path (full and sparse outputs mixed by the straight-through weights).
 * selection: static selectors (HSA discrepancy, retrieval score, layer entropy).
 
-Inside a converted transformers model (``flexsparse.convert(model, ..., router="head")``, needs transformers,
-imported on first use): :func:`training` and :func:`pooling_mask` (contexts for the routers' forward),
-:func:`routed_layers`, :func:`router_parameters`, :func:`last_routings`, and :class:`RouterTrainer`.
+These are model-free building blocks. Routers inside a converted transformers model (``flexsparse.convert(model,
+..., router="head")``), their training contexts and :class:`~flexsparse.integrations.RouterTrainer` live in
+:mod:`flexsparse.integrations`.
 """
 
 from flexsparse.routers.base import Router, Routing
@@ -45,22 +45,6 @@ from flexsparse.routers.selection import (
     select_modes,
 )
 
-_INTEGRATION = ("last_routings", "pooling_mask", "routed_layers", "router_parameters", "training")
-
-
-def __getattr__(name: str):
-    """The pieces that need transformers (:mod:`flexsparse.integrations.routing`, :mod:`.trainer`), on first use."""
-    if name in _INTEGRATION:
-        from flexsparse.integrations import routing
-
-        return getattr(routing, name)
-    if name == "RouterTrainer":
-        from flexsparse.routers.trainer import RouterTrainer
-
-        return RouterTrainer
-    raise AttributeError(f"module 'flexsparse.routers' has no attribute {name!r}")
-
-
 __all__ = [
     "DEFAULT_POOL_SIZE",
     "ROBUST_TARGET",
@@ -70,7 +54,6 @@ __all__ = [
     "HeadRouter",
     "LayerRouter",
     "Router",
-    "RouterTrainer",
     "Routing",
     "SparsityConstraint",
     "attended_pairs",
@@ -82,18 +65,13 @@ __all__ = [
     "gumbel_noise",
     "hsa_discrepancy",
     "hsa_selection",
-    "last_routings",
     "layer_entropy",
     "mix_full_sparse",
     "msr",
-    "pooling_mask",
     "relaxed_decisions",
     "retrieval_scores",
     "retrieval_selection",
     "routed_attention",
-    "routed_layers",
-    "router_parameters",
     "schedule_from_dict",
     "select_modes",
-    "training",
 ]

@@ -1,6 +1,6 @@
 """Proof that the routers learn: a small Llama trained from scratch on a sparsity-sensitive and a sparsity-robust
 task, frozen, converted with full / sink+window modes, then a head router and a layer router trained with
-:class:`~flexsparse.routers.RouterTrainer`; compared with all-full, all-sparse and the static selectors (HSA
+:class:`~flexsparse.integrations.RouterTrainer`; compared with all-full, all-sparse and the static selectors (HSA
 discrepancy, retrieval score) at the head router's MSR.
 
 Tasks (one token vocabulary: 4 specials, keys, values, filler):
@@ -185,7 +185,8 @@ def pretrain(model: nn.Module, cfg: ProofConfig, device: torch.device, generator
 def evaluate(model: nn.Module, batches: dict[str, dict]) -> dict[str, dict]:
     """Per task: teacher-forced accuracy on the answer tokens and, for a routed model, the mean MSR of its
     decisions (else None)."""
-    from flexsparse.routers import last_routings, msr, pooling_mask, routed_layers
+    from flexsparse.integrations import last_routings, pooling_mask, routed_layers
+    from flexsparse.routers import msr
 
     result = {}
     for task, batch in batches.items():
@@ -263,8 +264,8 @@ def calibration_scores(model: nn.Module, cfg: ProofConfig, batch: dict) -> tuple
 def train_router(model: nn.Module, cfg: ProofConfig, kind: str, device: torch.device, generator: torch.Generator,
                  out: Path | None, progress: bool) -> list[dict]:
     """Convert with a ``kind`` router and train it; returns the trainer's history."""
-    from flexsparse.integrations import convert
-    from flexsparse.routers import RouterTrainer, SparsityConstraint
+    from flexsparse.integrations import RouterTrainer, convert
+    from flexsparse.routers import SparsityConstraint
 
     torch.manual_seed(cfg.seed)
     convert(model, patterns(cfg), router=kind, router_options={"pool_size": cfg.pool_size}, backend=cfg.backend)
