@@ -358,8 +358,9 @@ def test_gpu_sparse_cache_decode_equals_one_forward_and_never_recompiles():
     logits through the sparse cache equal one forward over the whole sequence (atol 5e-3: flex may use TF32);
     a second generate() of the same lengths compiles nothing."""
     patterns = {**PATTERNS, "esa": ESA(0, 1, 3, 4)}
+    # block 128, as on real models: inductor finds no flex kernel configuration for 16-token blocks
     model = convert(tiny_model("llama").cuda(), patterns, [["full", "ssa"], ["ssa2", "esa"], ["ssa", "ssa"]],
-                    block_size=16, backend="flex")
+                    block_size=128, backend="flex")
     ids, mask = left_padded([20, 9])
     ids, mask = ids.cuda(), mask.cuda()
     with torch.no_grad():

@@ -38,7 +38,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -46,6 +45,7 @@ from flexsparse.integrations.forward_mask import ForwardMask
 from flexsparse.integrations.layer import CacheGroup, SparseAttentionLayer, sparse_layers
 from flexsparse.masks import Positions, SinkWindow
 from flexsparse.runtime.buckets import kv_bucket
+from flexsparse.runtime.executors import sdpa_without_graph_builds
 from flexsparse.validation import as_int
 
 
@@ -132,10 +132,11 @@ class _GroupCache:
 
     def attend_filled(self, q: Tensor, filled: int, scale: float | None) -> Tensor:
         """One query per sequence against the first ``filled`` slots, every one a key it attends: SDPA without a
-        mask, GQA without a K/V copy (the flash kernel; a position mask would send SDPA to a slower one)."""
+        mask, GQA without a K/V copy (the flash kernel; a position mask would send SDPA to a slower one, and
+        cuDNN's would build a graph per step)."""
         q_group = self.pick_q(q)
-        return F.scaled_dot_product_attention(q_group, self.keys[:, :, :filled], self.values[:, :, :filled],
-                                              scale=scale, enable_gqa=q_group.shape[1] > self.keys.shape[1])
+        return sdpa_without_graph_builds(q_group, self.keys[:, :, :filled], self.values[:, :, :filled], scale=scale,
+                                         enable_gqa=q_group.shape[1] > self.keys.shape[1])
 
 
 class _EveryKey(_GroupCache):
@@ -228,12 +229,15 @@ class _Ring(_GroupCache):
 
     def attend(self, layer: SparseAttentionLayer, q: Tensor, key: Tensor, value: Tensor, mask: ForwardMask,
                past: int, scale: float | None, unpadded_decode: bool = False) -> Tensor:
-        q_group, tokens = self.pick_q(q), past + key.shape[2]
-        table = mask.table_positions()
+        tokens = past + key.shape[2]
+        if unpadded_decode:  # token t is position t: its slot is known on the host, the filled slots are a prefix
+            slot = past if past < self.sink else self.sink + (past - self.sink) % self.window
+            self.keys[:, :, slot] = self.pick_kv(key)[:, :, 0]
+            self.values[:, :, slot] = self.pick_kv(value)[:, :, 0]
+            return self.attend_filled(q, min(tokens, self.capacity), scale)
+        q_group, table = self.pick_q(q), mask.table_positions()
         if key.shape[2] == 1:  # decode: write, then attend every filled slot (they are the pattern's keys)
             self.write_one(key, value, mask, tokens)
-            if unpadded_decode:  # without padding the filled slots are the first min(tokens, capacity)
-                return self.attend_filled(q, min(tokens, self.capacity), scale)
             positions = mask.memo.get(("ring positions", self.sink, self.window, self.capacity))
             if positions is None:
                 positions = Positions(table.q, self._slot_positions(mask, tokens), mask.span)
@@ -271,6 +275,9 @@ class SparseKVLayer(CacheLayerMixin):
             else:
                 bucketed = compiled and (group.kind == "keep" or options["plan"] == "fused")
                 self.groups.append(_EveryKey(group, layer.group_size, bucketed, options["block_size"], max_length))
+        ranges = [group.q_index.slice for group in self.groups]
+        self.heads_in_order = all(r is not None for r in ranges) and all(
+            a.stop == b.start for a, b in zip(ranges, ranges[1:]))
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         self.batch, self.dtype, self.device = key_states.shape[0], key_states.dtype, key_states.device
@@ -316,13 +323,14 @@ class SparseKVLayer(CacheLayerMixin):
         # position tables, no per-step plan. A padding token anywhere sends this and later steps to the masks.
         self.padded = self.padded or mask.new_tokens_padded()
         unpadded_decode = q_len == 1 and not self.padded
-        results = [(group.q_index, group.attend(layer, q, key, value, mask, past, scale, unpadded_decode))
-                   for group in self.groups]
+        results = [group.attend(layer, q, key, value, mask, past, scale, unpadded_decode) for group in self.groups]
         if len(results) == 1:
-            return results[0][1]
+            return results[0]
+        if self.heads_in_order:  # the groups' query heads are consecutive ranges, in order: one copy
+            return torch.cat(results, 1)
         out = q.new_empty(q.shape)
-        for index, result in results:
-            index.put(out, result)
+        for group, result in zip(self.groups, results):
+            group.q_index.put(out, result)
         return out
 
     # ----- transformers' Cache protocol ---------------------------------------------------------------------

@@ -54,6 +54,23 @@ def _with_dummy_key(allowed: Tensor) -> tuple[Tensor, Tensor]:
     return allowed | (empty[..., None] & first_key), empty
 
 
+def sdpa_without_graph_builds(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None,
+                              enable_gqa: bool = False) -> Tensor:
+    """Unmasked SDPA for calls whose key length changes every time (decode against a growing cache).
+
+    On an H100 with torch 2.11, SDPA prefers cuDNN's attention for bf16, and cuDNN builds an execution graph for
+    every new shape: ~60 ms per decode step, against ~0.1 ms of GPU work. This call leaves cuDNN out (flash
+    serves it, GQA without a K/V copy) and restores the setting; on other devices it is plain SDPA.
+    """
+    if q.device.type != "cuda" or not torch.backends.cuda.cudnn_sdp_enabled():
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=enable_gqa)
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=enable_gqa)
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+
+
 class SdpaExecutor(Executor):
     """Full causal heads through ``F.scaled_dot_product_attention`` (the fastest dense kernel).
 

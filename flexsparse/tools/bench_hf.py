@@ -9,7 +9,9 @@ window 2048 heads). Three measurements, every ratio from times taken in the same
    and the ideal hybrid (two SDPA calls on pre-split caches, no masks), timed in turns;
 3. end-to-end ``generate()`` on a Llama-shaped model built from its config (8 layers, hidden 4096, 32/8 heads,
    random weights) at 32K and 128K prompts: flexsparse (sparse KV cache) against the same model with sdpa and
-   transformers' DynamicCache: prefill time, decode tokens per second, peak memory.
+   transformers' DynamicCache, as is and with cuDNN's SDPA disabled (on an H100 with torch 2.11 SDPA picks cuDNN,
+   which builds a graph for every decode step's new key length): prefill time, decode tokens per second, peak
+   memory.
 
 Run: ``python -m flexsparse.tools.bench_hf --out bench/results`` (about 5 minutes on an H100; sizes are options),
 or ``--smoke`` for toy sizes on the CPU (checks the script, times nothing meaningful). Writes ``hf-bench.json``.
@@ -28,6 +30,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from transformers import LogitsProcessor, LogitsProcessorList
 
 import flexsparse.runtime.compiled
 from flexsparse.integrations import SparseKVCache, convert, kv_memory_formula, revert
@@ -269,42 +272,65 @@ def bench_decode_layer(cfg: HfBenchConfig, batch: int, layers: int = 1) -> dict:
 
 # ----- 3: generate() end to end --------------------------------------------------------------------------------------
 
-def generate_timed(model, ids: torch.Tensor, new_tokens: int, dev: torch.device) -> tuple[float, int]:
-    """Seconds for ``generate`` of ``new_tokens`` tokens, and its peak memory above what was allocated before."""
+class _TokenClock(LogitsProcessor):
+    """A logits processor that only records when each token's logits are ready (after a device sync; generate()
+    syncs every step anyway): the first call ends the prefill, the gaps between calls are decode steps."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.times = device, []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        _sync(self.device)
+        self.times.append(time.perf_counter())
+        return scores
+
+
+def generate_timed(model, ids: torch.Tensor, new_tokens: int, dev: torch.device) -> tuple[float, float, int]:
+    """One ``generate`` of ``new_tokens`` tokens: prefill seconds (to the first logits), seconds per decode step
+    (median of the steps), and peak memory above what was allocated before."""
+    clock = _TokenClock(dev)
     if dev.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
     start = time.perf_counter()
     model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                   do_sample=False)
+                   do_sample=False, logits_processor=LogitsProcessorList([clock]))
     _sync(dev)
-    seconds = time.perf_counter() - start
     peak = torch.cuda.max_memory_allocated() - before if dev.type == "cuda" else 0
-    return seconds, peak
+    steps = [b - a for a, b in zip(clock.times, clock.times[1:])]
+    return clock.times[0] - start, statistics.median(steps), peak
 
 
 @torch.no_grad()
 def bench_generate(cfg: HfBenchConfig, model, seq: int) -> list[dict]:
     """Prefill time, decode tokens/s and peak memory of ``generate()`` at a ``seq``-token prompt, for flexsparse
-    (rho = 0.75 in every layer, sparse KV cache) and for the model's own sdpa + DynamicCache."""
+    (rho = 0.75 in every layer, sparse KV cache) and for the model's own sdpa + DynamicCache (with and without
+    cuDNN's SDPA)."""
     dev = torch.device(cfg.device)
     gen = torch.Generator(device=dev).manual_seed(seq)
     ids = torch.randint(1, cfg.e2e_vocab, (cfg.e2e_batch, seq), device=dev, generator=gen)
     rows = []
-    for name in ("flexsparse", "sdpa + DynamicCache"):
+    cudnn_sdp = dev.type == "cuda" and torch.backends.cuda.cudnn_sdp_enabled()
+    for name in ("flexsparse", "sdpa + DynamicCache", "sdpa without cuDNN + DynamicCache"):
         if name == "flexsparse":
             convert(model, cfg.patterns(), [cfg.modes()] * cfg.e2e_layers, block_size=cfg.block_size,
                     backend=cfg.backend)
-        else:
+        elif name == "sdpa + DynamicCache":
             revert(model)
-        generate_timed(model, ids, 2, dev)  # warm-up: compiles flex at this length
-        prefill_s = min(generate_timed(model, ids, 1, dev)[0] for _ in range(2))
-        total_s, peak = generate_timed(model, ids, cfg.new_tokens, dev)
-        decode_s = total_s - prefill_s  # None below: the decode steps took less than the prefill's noise
-        tokens_per_s = cfg.e2e_batch * (cfg.new_tokens - 1) / decode_s if decode_s > 0.05 * total_s else None
+        if name.startswith("sdpa without cuDNN"):
+            if not cudnn_sdp:
+                continue  # the same as the row before
+            torch.backends.cuda.enable_cudnn_sdp(False)  # cuDNN builds a graph per decode step's new key length
+        try:
+            generate_timed(model, ids, 3, dev)  # warm-up: compiles flex at this length
+            prefill_s, step_s, peak = generate_timed(model, ids, cfg.new_tokens, dev)
+        finally:
+            if cudnn_sdp:
+                torch.backends.cuda.enable_cudnn_sdp(True)
         rows.append(dict(config=name, seq=seq, batch=cfg.e2e_batch, new_tokens=cfg.new_tokens, prefill_s=prefill_s,
-                         generate_s=total_s, decode_tokens_per_s=tokens_per_s, peak_memory_bytes=peak))
+                         decode_step_ms=step_s * 1e3, decode_tokens_per_s=cfg.e2e_batch / step_s,
+                         peak_memory_bytes=peak))
     return rows
 
 
@@ -340,10 +366,9 @@ def run_hf_bench(cfg: HfBenchConfig | None = None, out_dir: str | Path = "bench/
         for seq in cfg.e2e_seqs:
             for row in bench_generate(cfg, model, seq):
                 result["generate"].append(row)
-                rate = row["decode_tokens_per_s"]
-                rate = "too short to time" if rate is None else f"{rate:.1f} tokens/s"
                 log(f"generate, {seq:,}-token prompt, {row['config']}: prefill {row['prefill_s']:.2f} s, decode "
-                    f"{rate}, peak +{row['peak_memory_bytes'] / 2**30:.2f} GiB")
+                    f"{row['decode_step_ms']:.2f} ms per step ({row['decode_tokens_per_s']:.1f} tokens/s), peak "
+                    f"+{row['peak_memory_bytes'] / 2**30:.2f} GiB")
             path.write_text(json.dumps(result, indent=1))
             _empty_cache(dev)
         del model
