@@ -19,10 +19,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session", autouse=True)
 def triton_interpreter_scalars():
     """triton-lang/triton#9171: with numpy >= 2.4 the interpreter cannot use a program-id-derived scalar as a loop
-    bound (``int()`` of a 1-element array). Applies the upstream fix (squeeze first) around a module's CPU runs."""
+    bound (``int()`` of a 1-element array). Applies the upstream fix (squeeze first) to every CPU run (kernels
+    also run inside the cache and the routers, not only in their own test modules)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         yield
         return

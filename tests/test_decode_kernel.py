@@ -19,7 +19,6 @@ CUDA = torch.cuda.is_available()
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if CUDA else "cpu"
 kernel_test = pytest.mark.skipif(not (CUDA or INTERPRETED), reason="needs CUDA or TRITON_INTERPRET=1")
-pytestmark = pytest.mark.usefixtures("triton_interpreter_scalars")  # loop bounds loaded on the device
 FP32_ATOL, FP16_ATOL = 1e-5, 2e-3
 
 

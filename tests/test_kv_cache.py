@@ -242,10 +242,11 @@ def test_qwen3_8b_like_cache_at_128k_is_3_8x_smaller():
     assert all_full / cache.memory_bytes() == pytest.approx(3.81, abs=0.005)
 
 
-@pytest.mark.parametrize("padded", [False, True])
-def test_unpadded_decode_reads_filled_slots_without_masks(padded, monkeypatch):
-    """Full and ring heads decode as mask-free SDPA over their filled slots while no token is padding (the flash
-    kernel on CUDA), and through position masks once one is; the logits equal the uncached model's either way."""
+@pytest.mark.parametrize("layout", ["none", "left", "other"])
+def test_decode_path_follows_the_padding_layout(layout, monkeypatch):
+    """Full and ring heads decode without masks while the cache holds no padding (SDPA over the filled slots) or
+    a left-padded prompt (the ranged kernel, one slot range per sequence), and through position masks for other
+    padding; the logits equal the uncached model's in every case (the rings wrap around during the steps)."""
     import flexsparse.integrations.kv_cache as kv_cache
 
     calls = []
@@ -253,16 +254,16 @@ def test_unpadded_decode_reads_filled_slots_without_masks(padded, monkeypatch):
 
     def spy(self, q, key, value, mask, scale):
         out = original(self, q, key, value, mask, scale)
-        calls.append(self.padded)
+        calls.append(self.layout)
         return out
 
     monkeypatch.setattr(kv_cache.SparseKVLayer, "attend", spy)
     model = convert(tiny_model("llama"), PATTERNS, MIXED, backend="dense")
-    ids, mask = left_padded([14, 10] if padded else [14, 14])
+    ids, mask = {"none": left_padded([14, 14]), "left": left_padded([14, 10]), "other": right_padded([14, 6])}[layout]
     cache = SparseKVCache(model)
     forward_logits(model, ids[:, :8], mask[:, :8], cache)
     steps = [forward_logits(model, ids[:, t:t + 1], mask[:, :t + 1], cache) for t in range(8, 14)]
     alone = forward_logits(model, ids, mask)
     real = mask[:, 8:14].bool()
     torch.testing.assert_close(torch.cat(steps, 1)[real], alone[:, 8:14][real], atol=1e-4, rtol=0)
-    assert set(calls) == {padded}
+    assert set(calls) == {layout}

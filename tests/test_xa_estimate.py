@@ -9,8 +9,6 @@ from hypothesis import strategies as st
 from flexsparse.kernels.xa_estimate import antidiagonal_block_mass, block_mass_torch
 from flexsparse.synthetic import synthetic_attention_inputs
 
-pytestmark = pytest.mark.usefixtures("triton_interpreter_scalars")  # the CPU runs: conftest.py
-
 
 def literal_block_mass(q, k, stride, block, q_start=None, kv_valid_len=None):
     """The estimate written out: per query group and visible key group, the antidiagonal's dot products summed,

@@ -11,8 +11,6 @@ from flexsparse.masks import xa_selection
 from flexsparse.masks.xa_selection import estimate_and_select, select_blocks, select_blocks_torch
 from flexsparse.synthetic import synthetic_attention_inputs
 
-pytestmark = pytest.mark.usefixtures("triton_interpreter_scalars")  # the CPU runs: conftest.py
-
 
 def literal_reference_selection(mass, threshold, chunk_blocks):
     """mit-han-lab/x-attention's prefill selection (``find_blocks_chunked`` per chunk, then its causal tril),

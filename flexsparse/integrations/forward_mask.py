@@ -45,9 +45,20 @@ class ForwardMask:
 
     def has_padding(self) -> bool:
         """Whether any token is padding (one host sync, memoised; called in prefill only)."""
-        if "has_padding" not in self.memo:
-            self.memo["has_padding"] = self.padding is not None and not bool(self.padding.all())
-        return self.memo["has_padding"]
+        return self.padding_layout() != "none"
+
+    def padding_layout(self) -> str:
+        """``"none"`` (no padding token), ``"left"`` (every row: padding, then only real tokens, as a left-padded
+        prompt) or ``"other"``; one host sync, memoised."""
+        if "layout" not in self.memo:
+            if self.padding is None:
+                layout = "none"
+            else:
+                real = self.padding
+                no_padding, left = torch.stack([real.all(), (real[:, 1:] >= real[:, :-1]).all()]).tolist()
+                layout = "none" if no_padding else "left" if left else "other"
+            self.memo["layout"] = layout
+        return self.memo["layout"]
 
     def new_tokens_padded(self) -> bool:
         """Whether any query token (a new one) is padding: one host sync per forward, memoised for its layers."""

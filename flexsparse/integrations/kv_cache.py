@@ -15,12 +15,19 @@ Per layer, the KV heads are grouped by :func:`~flexsparse.integrations.layer.cac
   window key leaves) and attends every filled slot as full attention: the ring holds exactly the keys the pattern
   attends. A chunk of several tokens attends the ring and the chunk in the heads' own pattern, then rewrites it.
 
-Decode while no cached token is padding (the common case: a prompt without padding, and generate() marks every
-new token real) runs full and ring heads as plain SDPA over their first filled slots, GQA without a K/V copy:
-every filled slot is a key the query attends, so no mask is needed and SDPA's flash kernel serves it. Whether the
-new tokens hold padding is read once per forward for all layers (one host sync, none without a padding mask;
-generate() syncs every step anyway); a padded prompt, chunk or token sends decode through the position-masked
-path below from then on.
+Decode of full and ring heads needs no mask while the cache's padding has one of two layouts (read at prefill
+with the padding check's one host sync; whether a forward's new tokens hold padding is read once per forward for
+all layers, none without a padding mask, and generate() syncs every step anyway):
+
+* no padding (a prompt without padding; generate() marks every new token real): every head attends its first
+  filled slots, plain SDPA over a prefix of the buffer, GQA without a K/V copy (the flash kernel; cuDNN's would
+  build a graph for every new length);
+* a left-padded prompt: row b's real tokens are the last ``real_b`` slots of a full buffer and the first
+  ``min(real_b, capacity)`` slots of its ring, so each head attends one slot range per row, bounds on the device:
+  :func:`~flexsparse.kernels.decode.ranged_decode_attention`.
+
+Any other padding (a right-padded prompt, padding in a chunk or a decode token) sends decode through the
+position-masked path below from then on.
 
 Each group runs as one HybridAttention call (``kv_heads=``) per step: no per-head loop, no host sync (slots and
 positions are computed on the device from the padding mask, once per forward for all layers), and compiled calls
@@ -43,6 +50,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from flexsparse.integrations.forward_mask import ForwardMask
 from flexsparse.integrations.layer import CacheGroup, SparseAttentionLayer, sparse_layers
+from flexsparse.kernels.decode import ranged_decode_attention
 from flexsparse.masks import Positions, SinkWindow
 from flexsparse.runtime.buckets import kv_bucket
 from flexsparse.runtime.executors import sdpa_without_graph_builds
@@ -64,6 +72,27 @@ def ring_slot_positions(counts: Tensor, sink: int, window: int, capacity: int, s
     latest = sink + offset + torch.div(last - sink - offset, window, rounding_mode="floor") * window
     in_window = torch.where(last >= sink + offset, latest, span)
     return torch.where(slot < sink, in_sink, in_window).to(torch.int32)
+
+
+def _filled_to(mask: ForwardMask, tokens: int) -> Tensor:
+    """``tokens`` for every row, int64 ``[B]`` (memoised per forward)."""
+    found = mask.memo.get(("filled to", tokens))
+    if found is None:
+        found = mask.memo[("filled to", tokens)] = torch.full((mask.batch,), tokens, dtype=torch.long,
+                                                             device=mask.device)
+    return found
+
+
+def _per_row(mask: ForwardMask, values: Tensor) -> Tensor:
+    """``[B']`` values (B' = 1 when shared by the batch) as ``[B]``."""
+    return values if values.shape[0] == mask.batch else values.expand(mask.batch).contiguous()
+
+
+def _zeros_like(mask: ForwardMask, like: Tensor) -> Tensor:
+    found = mask.memo.get("zeros")
+    if found is None:
+        found = mask.memo["zeros"] = torch.zeros_like(like)
+    return found
 
 
 class _HeadIndex:
@@ -130,6 +159,12 @@ class _GroupCache:
         if self.keys is not None:
             self.keys, self.values = fn(self.keys), fn(self.values)
 
+    def attend_ranges(self, q: Tensor, lo: Tensor, hi: Tensor, scale: float | None) -> Tensor:
+        """One query per sequence against slots ``lo[b] <= slot < hi[b]`` (``[B]`` on the device), every one a key
+        it attends: the ranged decode kernel (split over the slots, GQA without a K/V copy, no host sync)."""
+        q_group = self.pick_q(q)[:, :, 0]
+        return ranged_decode_attention(q_group, self.keys, self.values, lo, hi, scale=scale)[:, :, None]
+
     def attend_filled(self, q: Tensor, filled: int, scale: float | None) -> Tensor:
         """One query per sequence against the first ``filled`` slots, every one a key it attends: SDPA without a
         mask, GQA without a K/V copy (the flash kernel; a position mask would send SDPA to a slower one, and
@@ -166,10 +201,16 @@ class _EveryKey(_GroupCache):
         self.values[:, :, past:end] = self.pick_kv(value)
 
     def attend(self, layer: SparseAttentionLayer, q: Tensor, key: Tensor, value: Tensor, mask: ForwardMask,
-               past: int, scale: float | None, unpadded_decode: bool = False) -> Tensor:
+               past: int, scale: float | None, decode: str | None = None) -> Tensor:
         self.write(key, value, past)
-        if unpadded_decode and self.group.kind == "full":  # slots 0..past are the tokens, all attended
+        if decode == "none" and self.group.kind == "full":  # slots 0..past are the tokens, all attended
             return self.attend_filled(q, past + 1, scale)
+        if decode == "left" and self.group.kind == "full":  # a row's real tokens are its last slots
+            tokens = past + 1
+            lo = mask.memo.get(("left ranges", tokens))
+            if lo is None:
+                lo = mask.memo[("left ranges", tokens)] = tokens - _per_row(mask, mask.real_counts(tokens))
+            return self.attend_ranges(q, lo, _filled_to(mask, tokens), scale)
         return layer.attention(self.pick_q(q), self.keys, self.values, positions=mask.positions_in(self.capacity),
                                kv_heads=self.group.kv_heads, scale=scale)
 
@@ -213,14 +254,15 @@ class _Ring(_GroupCache):
         self.keys = torch.where(keep, self.pick_kv(key).gather(2, index), self.keys)
         self.values = torch.where(keep, self.pick_kv(value).gather(2, index), self.values)
 
-    def write_one(self, key: Tensor, value: Tensor, mask: ForwardMask, tokens: int) -> None:
-        """Decode: the new token into its slot. A padding token goes to the next position's slot, whose key
-        no query of this step reads (its query is padding) and the next real token overwrites."""
+    def write_one(self, key: Tensor, value: Tensor, mask: ForwardMask, tokens: int, real: bool = False) -> None:
+        """Decode: the new token into its slot (``real``: it is known to be a real token). A padding token goes
+        to the next position's slot, whose key no query of this step reads (its query is padding) and the next
+        real token overwrites."""
         found = mask.memo.get(("ring slot", self.sink, self.window))  # every layer of the forward writes there
         if found is None:
             counts = mask.real_counts(tokens)
-            real = (mask.new_positions()[:, 0] < mask.span).long()
-            slot = ring_slot_of(counts - real, self.sink, self.window)
+            new_real = 1 if real else (mask.new_positions()[:, 0] < mask.span).long()
+            slot = ring_slot_of(_per_row(mask, counts - new_real), self.sink, self.window)
             found = mask.memo[("ring slot", self.sink, self.window)] = (
                 torch.arange(key.shape[0], device=key.device), slot)
         rows, slot = found
@@ -228,13 +270,20 @@ class _Ring(_GroupCache):
         self.values[rows, :, slot] = self.pick_kv(value)[:, :, 0]
 
     def attend(self, layer: SparseAttentionLayer, q: Tensor, key: Tensor, value: Tensor, mask: ForwardMask,
-               past: int, scale: float | None, unpadded_decode: bool = False) -> Tensor:
+               past: int, scale: float | None, decode: str | None = None) -> Tensor:
         tokens = past + key.shape[2]
-        if unpadded_decode:  # token t is position t: its slot is known on the host, the filled slots are a prefix
+        if decode == "none":  # token t is position t: its slot is known on the host, the filled slots are a prefix
             slot = past if past < self.sink else self.sink + (past - self.sink) % self.window
             self.keys[:, :, slot] = self.pick_kv(key)[:, :, 0]
             self.values[:, :, slot] = self.pick_kv(value)[:, :, 0]
             return self.attend_filled(q, min(tokens, self.capacity), scale)
+        if decode == "left":  # a row's ring holds its first min(real tokens, capacity) slots
+            self.write_one(key, value, mask, tokens, real=True)
+            filled = mask.memo.get(("ring filled", tokens, self.capacity))
+            if filled is None:
+                filled = mask.memo[("ring filled", tokens, self.capacity)] = _per_row(
+                    mask, mask.real_counts(tokens)).clamp(max=self.capacity)
+            return self.attend_ranges(q, _zeros_like(mask, filled), filled, scale)
         q_group, table = self.pick_q(q), mask.table_positions()
         if key.shape[2] == 1:  # decode: write, then attend every filled slot (they are the pattern's keys)
             self.write_one(key, value, mask, tokens)
@@ -265,7 +314,7 @@ class SparseKVLayer(CacheLayerMixin):
         super().__init__()
         self.layer = layer
         self.tokens = 0
-        self.padded = False  # whether the prompt or a chunk held padding (known on the host at prefill)
+        self.layout = "none"  # padding of the tokens so far: "none", "left" (a left-padded prompt) or "other"
         options = layer.options
         compiled = options["backend"] in ("auto", "flex")
         self.groups: list[_GroupCache] = []
@@ -315,15 +364,16 @@ class SparseKVLayer(CacheLayerMixin):
                              f"tokens, the cache has {q_len} new of {self.tokens}")
         if past == 0:  # prefill: every head over the prompt, then the groups keep what they need
             out = layer.attention(q, key, value, positions=mask.positions(), scale=scale)
-            self.padded = mask.has_padding()  # memoised by positions(): no extra sync
+            self.layout = mask.padding_layout()  # memoised with positions(): no extra sync
             for group in self.groups:
                 group.write(key, value, 0) if isinstance(group, _EveryKey) else group.rewrite(key, value, mask, 0)
             return out
         # While no token so far was padding, full and ring heads read a prefix of filled slots: plain SDPA, no
         # position tables, no per-step plan. A padding token anywhere sends this and later steps to the masks.
-        self.padded = self.padded or mask.new_tokens_padded()
-        unpadded_decode = q_len == 1 and not self.padded
-        results = [group.attend(layer, q, key, value, mask, past, scale, unpadded_decode) for group in self.groups]
+        if self.layout != "other" and mask.new_tokens_padded():
+            self.layout = "other"
+        decode = self.layout if q_len == 1 and self.layout != "other" else None
+        results = [group.attend(layer, q, key, value, mask, past, scale, decode) for group in self.groups]
         if len(results) == 1:
             return results[0]
         if self.heads_in_order:  # the groups' query heads are consecutive ranges, in order: one copy
@@ -349,7 +399,7 @@ class SparseKVLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.tokens = 0
-        self.padded = False
+        self.layout = "none"
         for group in self.groups:
             group.keys = group.values = None
 

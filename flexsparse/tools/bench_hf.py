@@ -55,6 +55,8 @@ class HfBenchConfig:
     decode_extra: int = 1024
     """Decode steps the timed cache has room for (timing and profiling run about 450 steps)."""
     decode_layers: list[int] = field(default_factory=lambda: [1, 4])
+    decode_padded_batches: list[int] = field(default_factory=lambda: [8])
+    """Batches also timed with left-padded prompts (one layer per step; rows padded differently)."""
     """Layers per timed decode step: 1 is the issue's one-layer figure; more share one mask per step as a model's
     forward does (its per-forward work, the position tables, is then amortised)."""
     e2e_seqs: list[int] = field(default_factory=lambda: [32768, 131072])
@@ -78,7 +80,7 @@ class HfBenchConfig:
 
 SMOKE = HfBenchConfig(device="cpu", dtype="float32", backend="dense", heads=8, kv_heads=4, head_dim=16,
                       full_kv_heads=1, sink=4, window=32, block_size=16, decode_seq=512, decode_batches=[1, 2],
-                      decode_extra=512, decode_layers=[1, 2], e2e_seqs=[256, 512], e2e_layers=2, e2e_intermediate=128, e2e_vocab=128,
+                      decode_extra=512, decode_layers=[1, 2], decode_padded_batches=[2], e2e_seqs=[256, 512], e2e_layers=2, e2e_intermediate=128, e2e_vocab=128,
                       new_tokens=6)
 
 
@@ -164,21 +166,27 @@ class DecodeSetup:
     """Max |error| of the first decode step's output against SDPA on the keys each head may attend."""
 
 
-def _check_first_step(cfg: HfBenchConfig, cache, modules, keys, values, q1, k1, v1) -> float:
+def _check_first_step(cfg: HfBenchConfig, cache, modules, keys, values, q1, k1, v1, real) -> float:
     """One decode step through flexsparse against SDPA on exactly the keys each head attends (full heads: every
-    key; sink + window heads: the sink and the last window keys, the new one included); raises when it differs."""
+    real key; sink + window heads: the first sink real keys and the last window keys, the new one included);
+    raises when it differs. ``real``: the padding mask ``[B, >= seq + 1]`` (left padding)."""
     batch, seq, full = keys.shape[0], keys.shape[2], cfg.full_kv_heads
-    mask = flexsparse_mask(batch, 1, seq + 1, device=q1.device)
+    mask = flexsparse_mask(batch, 1, seq + 1, attention_mask=real[:, :seq + 1], device=q1.device)
     for index, module in enumerate(modules):
         cache.update(k1, v1, index)
         out = flexsparse_attention(module, q1, k1, v1, mask)[0].transpose(1, 2)
     split = full * (cfg.heads // cfg.kv_heads)
-    ring = lambda t, new: torch.cat([t[:, full:, :cfg.sink], t[:, full:, seq - cfg.window + 1:], new[:, full:]], 2)
-    expected = torch.cat([
-        F.scaled_dot_product_attention(q1[:, :split], torch.cat([keys[:, :full], k1[:, :full]], 2),
-                                       torch.cat([values[:, :full], v1[:, :full]], 2), enable_gqa=True),
-        F.scaled_dot_product_attention(q1[:, split:], ring(keys, k1), ring(values, v1), enable_gqa=True),
-    ], 1)
+    expected = []
+    for b, pad in enumerate((~real[:, :seq]).sum(1).tolist()):  # one sequence at a time: its real keys only
+        every = lambda t, new: torch.cat([t[b:b + 1, :full, pad:], new[b:b + 1, :full]], 2)
+        ring = lambda t, new: torch.cat([t[b:b + 1, full:, pad:pad + cfg.sink],
+                                         t[b:b + 1, full:, max(pad + cfg.sink, seq - cfg.window + 1):],
+                                         new[b:b + 1, full:]], 2)
+        expected.append(torch.cat([
+            F.scaled_dot_product_attention(q1[b:b + 1, :split], every(keys, k1), every(values, v1), enable_gqa=True),
+            F.scaled_dot_product_attention(q1[b:b + 1, split:], ring(keys, k1), ring(values, v1), enable_gqa=True),
+        ], 1))
+    expected = torch.cat(expected)
     error = float((out.float() - expected.float()).abs().max())
     tolerance = 1e-4 if q1.dtype == torch.float32 else 2e-2
     if error > tolerance:
@@ -188,10 +196,11 @@ def _check_first_step(cfg: HfBenchConfig, cache, modules, keys, values, q1, k1, 
 
 
 @torch.no_grad()
-def decode_setup(cfg: HfBenchConfig, batch: int, layers: int = 1) -> DecodeSetup:
+def decode_setup(cfg: HfBenchConfig, batch: int, layers: int = 1, padded: bool = False) -> DecodeSetup:
     """A converted model of ``layers`` attention layers with a sparse cache prefilled with ``cfg.decode_seq``
-    random tokens, its decode step (attention function + cache, one mask per step as a model's forward), and the
-    one-layer baselines: all-full SDPA over the whole cache and the ideal two-SDPA hybrid on pre-split caches."""
+    random tokens (``padded``: row b's first ``(b * 997) % min(4096, seq / 2)`` of them are left padding), its decode step
+    (attention function + cache, one mask per step as a model's forward), and the one-layer baselines: all-full
+    SDPA over the whole cache and the ideal two-SDPA hybrid on pre-split caches (both without padding)."""
     dev, dtype, seq = torch.device(cfg.device), cfg.torch_dtype, cfg.decode_seq
     model = llama_from_config(cfg, layers=layers, intermediate=64, vocab=64)
     convert(model, cfg.patterns(), [cfg.modes()] * layers, block_size=cfg.block_size, backend=cfg.backend)
@@ -201,10 +210,14 @@ def decode_setup(cfg: HfBenchConfig, batch: int, layers: int = 1) -> DecodeSetup
     rand = lambda *shape: torch.randn(*shape, device=dev, dtype=dtype, generator=gen)
     keys, values = rand(batch, cfg.kv_heads, seq, dim), rand(batch, cfg.kv_heads, seq, dim)
     prefill_q = rand(batch, cfg.heads, seq, dim)
+    real = torch.ones(batch, seq + cfg.decode_extra, dtype=torch.bool, device=dev)
+    if padded:
+        for b in range(batch):
+            real[b, :(b * 997) % min(4096, seq // 2)] = False
 
     def prefilled(max_length: int, q) -> SparseKVCache:
         cache = SparseKVCache(model, max_length=max_length)
-        mask = flexsparse_mask(batch, seq, seq, device=dev)
+        mask = flexsparse_mask(batch, seq, seq, attention_mask=real[:, :seq], device=dev)
         for index, module in enumerate(modules):
             cache.update(keys, values, index)
             flexsparse_attention(module, q, keys, values, mask)
@@ -218,12 +231,13 @@ def decode_setup(cfg: HfBenchConfig, batch: int, layers: int = 1) -> DecodeSetup
     _sync(dev)
 
     q1, k1, v1 = rand(batch, cfg.heads, 1, dim), rand(batch, cfg.kv_heads, 1, dim), rand(batch, cfg.kv_heads, 1, dim)
-    error = _check_first_step(cfg, cache, modules, keys, values, q1, k1, v1)
+    error = _check_first_step(cfg, cache, modules, keys, values, q1, k1, v1, real)
 
     def flexsparse_step():
         if cache.get_seq_length(0) >= seq + cfg.decode_extra:
             raise RuntimeError("the benchmark's cache is full: raise decode_extra")
-        mask = flexsparse_mask(batch, 1, cache.get_seq_length(0) + 1, device=dev)
+        tokens = cache.get_seq_length(0) + 1
+        mask = flexsparse_mask(batch, 1, tokens, attention_mask=real[:, :tokens] if padded else None, device=dev)
         for index, module in enumerate(modules):
             cache.update(k1, v1, index)
             flexsparse_attention(module, q1, k1, v1, mask)
@@ -245,14 +259,14 @@ def decode_setup(cfg: HfBenchConfig, batch: int, layers: int = 1) -> DecodeSetup
     return DecodeSetup(batch, seq, layers, timed, kv_bytes, formula, all_full, error)
 
 
-def bench_decode_layer(cfg: HfBenchConfig, batch: int, layers: int = 1) -> dict:
+def bench_decode_layer(cfg: HfBenchConfig, batch: int, layers: int = 1, padded: bool = False) -> dict:
     """Per-layer decode step times (flexsparse divided by ``layers``), timed in turns, and the KV memory."""
     dev = torch.device(cfg.device)
-    setup = decode_setup(cfg, batch, layers)
+    setup = decode_setup(cfg, batch, layers, padded)
     ms = in_turns(setup.timed, dev)
     ms["flexsparse"] /= layers
     result = dict(
-        batch=batch, seq=setup.seq, layers_per_step=layers, ms=ms,
+        batch=batch, seq=setup.seq, layers_per_step=layers, left_padded=padded, ms=ms,
         speedup_vs_sdpa=ms["sdpa_all_full"] / ms["flexsparse"],
         speedup_vs_sdpa_folded=ms["sdpa_all_full_folded"] / ms["flexsparse"],
         ideal_speedup_vs_sdpa=ms["sdpa_all_full"] / ms["ideal_two_sdpa"],
@@ -354,13 +368,13 @@ def run_hf_bench(cfg: HfBenchConfig | None = None, out_dir: str | Path = "bench/
     started = time.perf_counter()
     path = out / "hf-bench.json"
     if "decode" in cfg.parts:
-        for batch in cfg.decode_batches:
-            for layers in cfg.decode_layers:
-                row = bench_decode_layer(cfg, batch, layers)
-                result["decode"].append(row)
-                log(_decode_line(row))
-                path.write_text(json.dumps(result, indent=1))
-                _empty_cache(dev)
+        cases = [(b, n, False) for b in cfg.decode_batches for n in cfg.decode_layers]
+        for batch, layers, padded in cases + [(b, 1, True) for b in cfg.decode_padded_batches]:
+            row = bench_decode_layer(cfg, batch, layers, padded)
+            result["decode"].append(row)
+            log(_decode_line(row))
+            path.write_text(json.dumps(result, indent=1))
+            _empty_cache(dev)
     if "generate" in cfg.parts:
         model = llama_from_config(cfg, cfg.e2e_layers, cfg.e2e_intermediate, cfg.e2e_vocab)
         for seq in cfg.e2e_seqs:
@@ -380,7 +394,8 @@ def run_hf_bench(cfg: HfBenchConfig | None = None, out_dir: str | Path = "bench/
 
 def _decode_line(row: dict) -> str:
     ms, kernel = row["ms"], row.get("gpu_kernel_ms")
-    line = (f"decode step at {row['seq']:,} cached tokens, batch {row['batch']}, per layer "
+    line = (f"decode step at {row['seq']:,} cached tokens, batch {row['batch']}"
+            f"{' left-padded' if row['left_padded'] else ''}, per layer "
             f"({row['layers_per_step']} per step): flexsparse {ms['flexsparse']:.3f} ms, all-full SDPA "
             f"{ms['sdpa_all_full']:.3f} ms ({row['speedup_vs_sdpa']:.2f}x), ideal two-SDPA {ms['ideal_two_sdpa']:.3f} "
             f"ms ({row['ideal_speedup_vs_sdpa']:.2f}x)")
@@ -404,12 +419,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-seq", type=int, default=None)
     parser.add_argument("--decode-batches", type=int, nargs="+", default=None)
     parser.add_argument("--decode-layers", type=int, nargs="+", default=None)
+    parser.add_argument("--decode-padded-batches", type=int, nargs="*", default=None)
     parser.add_argument("--e2e-seqs", type=int, nargs="+", default=None)
     parser.add_argument("--e2e-layers", type=int, default=None)
     parser.add_argument("--new-tokens", type=int, default=None)
     args = parser.parse_args(argv)
     cfg = dataclasses.replace(SMOKE) if args.smoke else HfBenchConfig()
-    for name in ("parts", "decode_seq", "decode_batches", "decode_layers", "e2e_seqs", "e2e_layers", "new_tokens"):
+    for name in ("parts", "decode_seq", "decode_batches", "decode_layers", "decode_padded_batches", "e2e_seqs", "e2e_layers", "new_tokens"):
         if getattr(args, name) is not None:
             setattr(cfg, name, getattr(args, name))
     run_hf_bench(cfg, args.out)
