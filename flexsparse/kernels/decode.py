@@ -18,7 +18,7 @@ The bounds are read on the device, so a decode step never syncs the host and one
   ``S_g`` comes from host ints only (B, the groups' heads and capacities, the SM count): chunks of about equal
   capacity so that all groups together give ``programs_per_sm`` programs per SM, none shorter than
   ``min_blocks_per_split`` tiles. The grid's second dimension is the largest ``S_g``; the programs past their
-  group's count do nothing (a 131K-slot group gets ~60x the splits of a 2K-slot ring).
+  group's count do nothing (on an H100 at B = 1: 126 splits per head of a 131K-slot group, 3 of a 2K-slot ring).
 * Two groups in one launch: the group holding KV head 0 comes first; a program picks its group by comparing its
   KV head with the first group's head count (constexpr ``HAS_SECOND``), then runs the same code on that group's
   pointers, strides, capacity and bounds.
@@ -547,7 +547,7 @@ def decode_step_attention(q: Tensor, k_new: Tensor, v_new: Tensor, groups: Seque
         signature = ("step", q.shape, q.dtype, q.device, k_new.shape, k_new.dtype, k_new.device, v_new.shape,
                      v_new.dtype, v_new.device, None if out is None else (out.shape, out.dtype, out.device),
                      len(groups), scale, splits, block_n, _config_signature(),
-                     *_group_signature(first), *_group_signature(second))
+                     *_group_signature(first), *(_group_signature(second) if second is not first else ()))
     except (AttributeError, TypeError, IndexError, KeyError):  # malformed arguments: the checks name them
         check_decode_step_args(q, k_new, v_new, groups)
         raise
