@@ -348,6 +348,14 @@ def _config_signature() -> tuple:
     return tuple(KERNEL_CONFIG.values())
 
 
+def _group_signature(group: DecodeGroup) -> tuple:
+    """What a plan depends on in a group: its heads, and the shapes, strides, dtypes and devices of its tensors."""
+    keys, values, lo, hi, slot = group.keys, group.values, group.lo, group.hi, group.slot
+    return (group.kv_start, keys.shape, keys.stride(), keys.dtype, keys.device, values.shape, values.stride(),
+            values.dtype, values.device, lo.shape, lo.dtype, lo.device, hi.shape, hi.dtype, hi.device, slot.shape,
+            slot.dtype, slot.device)
+
+
 def _check_tensor(name: str, t: object, dims: int, dtypes: tuple) -> None:
     if not isinstance(t, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -504,6 +512,7 @@ def ranged_decode_attention(q: Tensor, keys: Tensor, values: Tensor, lo: Tensor,
                      scale, splits, block_n, _config_signature())
     except AttributeError:  # not tensors: the checks name the argument
         _check_ranged_args(q, keys, values, lo, hi, _SUPPORTED_DTYPES, kernel=True)
+        _check_kernel_args(q, out, scale, splits, block_n)
         raise
     plan = _PLANS.get(signature)
     if plan is None:
@@ -550,6 +559,7 @@ def decode_step_attention(q: Tensor, k_new: Tensor, v_new: Tensor, groups: Seque
                      *_group_signature(first), *(_group_signature(second) if second is not first else ()))
     except (AttributeError, TypeError, IndexError, KeyError):  # malformed arguments: the checks name them
         check_decode_step_args(q, k_new, v_new, groups)
+        _check_kernel_args(q, out, scale, splits, block_n)
         raise
     plan = _PLANS.get(signature)
     if plan is None:
@@ -562,13 +572,6 @@ def decode_step_attention(q: Tensor, k_new: Tensor, v_new: Tensor, groups: Seque
     if plan.grid is not None:
         _launch(plan, q, out, k_new, v_new, first, second)
     return out
-
-
-def _group_signature(group: DecodeGroup) -> tuple:
-    keys, values, lo, hi, slot = group.keys, group.values, group.lo, group.hi, group.slot
-    return (group.kv_start, keys.shape, keys.stride(), keys.dtype, keys.device, values.shape, values.stride(),
-            values.dtype, values.device, lo.shape, lo.dtype, lo.device, hi.shape, hi.dtype, hi.device, slot.shape,
-            slot.dtype, slot.device)
 
 
 def ranged_decode_reference(q: Tensor, keys: Tensor, values: Tensor, lo: Tensor, hi: Tensor,
