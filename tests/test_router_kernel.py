@@ -254,12 +254,12 @@ def test_workspace_counters_reset_and_grow():
             torch.testing.assert_close(logits, router(states), atol=1e-4, rtol=0)
 
 
-def test_automatic_path_and_refusals():
+def test_fused_path_is_opt_in_and_refuses_training():
     router = make_router("head", 16, pool=2)
     states = torch.randn(2, 6, 3, 16).to(DEVICE)
     with torch.no_grad():
-        automatic = router.route(states)
-    assert (automatic.decided_modes is not None) == CUDA  # the kernel runs by itself on CUDA only
+        assert router.route(states).decided_modes is None  # the torch path unless fused=True
+        assert router.route(states, fused=True).decided_modes is not None
     with pytest.raises(ValueError, match="gradients"):
         router.route(states, fused=True)  # gradients enabled and the weights require them
     router.train()
@@ -297,7 +297,7 @@ def test_forward_boundary_is_memoised_per_forward():
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["head", "layer"])
 def test_cuda_realistic_sizes_are_stable(kind):
-    """d = 128, P = 100, bf16 states at 8K tokens with padding: the automatic path equals the torch path, launch
+    """d = 128, P = 100, bf16 states at 8K tokens with padding: the fused path equals the torch path, launch
     after launch (the counters reset, the sums are deterministic)."""
     router = (HeadRouter if kind == "head" else LayerRouter)(128).cuda().eval()
     heads = 8 if kind == "head" else 32
@@ -307,7 +307,7 @@ def test_cuda_realistic_sizes_are_stable(kind):
         mask[-1, :1000] = False
         with torch.no_grad():
             expected = router.route(states, mask, fused=False)
-            runs = [router.route(states, mask) for _ in range(20)]
+            runs = [router.route(states, mask, fused=True) for _ in range(20)]
         for got in runs:
             assert torch.equal(got.logits, runs[0].logits)
             assert_same_routing(expected, got, 1e-4)

@@ -101,8 +101,8 @@ class Router(nn.Module):
 
     A subclass builds ``task_mlp`` (two linear layers) and ``router_mlp`` (three, the last one 2 wide) with
     :func:`mlp`, and ``forward(states, key_padding_mask=None, *, boundary=None)`` feeds them the pooled states
-    (:meth:`pool`), averaged over heads first when ``average_heads``. In eval mode without gradients, on CUDA,
-    :meth:`route` runs all of it in one fused Triton launch (:mod:`flexsparse.kernels.router_infer`).
+    (:meth:`pool`), averaged over heads first when ``average_heads``. In eval mode without gradients,
+    ``route(..., fused=True)`` runs all of it in one fused Triton launch (:mod:`flexsparse.kernels.router_infer`).
 
     Args:
         head_dim: d of the states the router reads.
@@ -177,22 +177,21 @@ class Router(nn.Module):
 
     def route(self, states: Tensor, key_padding_mask: Tensor | None = None, *, boundary: Boundary | None = None,
               tau: float | Tensor = 1.0, hard: bool = True, generator: torch.Generator | None = None,
-              fused: bool | None = None) -> Routing:
+              fused: bool = False) -> Routing:
         """Logits and weights for one layer. Training mode: Gumbel noise at temperature ``tau`` and
         straight-through hard weights (``hard=False``: soft weights). Eval mode: the deterministic argmax.
 
         ``boundary``: the pooled slots, precomputed once per forward for every layer (instead of
-        ``key_padding_mask``). ``fused``: None runs eval mode on CUDA without gradients through the fused kernel
+        ``key_padding_mask``). ``fused=True`` runs eval mode without gradients through the fused Triton kernel
         (one launch: the same logits to float32 rounding, the same weights and modes, the modes precomputed in
-        ``decided_modes``) and anything else through torch; False forces torch; True forces the kernel (on CPU
-        under ``TRITON_INTERPRET=1``) or raises ValueError.
+        ``decided_modes``; on CPU under ``TRITON_INTERPRET=1``) or raises ValueError where it cannot. It is opt-in
+        until it has been timed and checked on a GPU (tested in the interpreter only).
         """
-        if fused or (fused is None and isinstance(states, Tensor) and states.is_cuda):
+        if fused:
             routing = self._route_fused(states, key_padding_mask, boundary)
-            if isinstance(routing, Routing):
-                return routing
-            if fused:
+            if not isinstance(routing, Routing):
                 raise ValueError(f"route(fused=True): {routing}")
+            return routing
         logits = self(states, key_padding_mask, boundary=boundary)
         logits = logits.reshape(logits.shape[0], -1, 2)
         if self.training:
