@@ -29,7 +29,15 @@ from torch import Tensor, nn
 from flexsparse.integrations.forward_mask import ForwardMask
 from flexsparse.integrations.layer import RouterSettings, SparseAttentionLayer, sparse_layers
 from flexsparse.masks import Pattern
-from flexsparse.routers import HeadRouter, LayerRouter, Router, Routing, routed_attention
+from flexsparse.routers import (
+    Boundary,
+    HeadRouter,
+    LayerRouter,
+    Router,
+    Routing,
+    boundary_positions,
+    routed_attention,
+)
 from flexsparse.validation import as_float
 
 ROUTER_KINDS = {"head": HeadRouter, "layer": LayerRouter}
@@ -137,6 +145,22 @@ def attach_router(module: nn.Module, state: SparseAttentionLayer, settings: Rout
 
 # ----- the routed layer ----------------------------------------------------------------------------------------
 
+def forward_boundary(router: Router, states: Tensor, mask: ForwardMask | None, pool_mask: Tensor | None) -> Boundary:
+    """Where ``router`` pools ``states`` ``[B, S, H, d]`` in this forward: the boundary of ``pool_mask`` (bool
+    ``[B, S]``) when set, else of the forward's padding. It depends on the mask alone, so it is computed once per
+    forward and pool size, memoised on the :class:`ForwardMask` (with the pooling mask it was computed from)."""
+    padding = pool_mask if pool_mask is not None else (None if mask is None else mask.padding)
+    batch, seq = states.shape[:2]
+    if mask is None:
+        return boundary_positions(padding, batch, seq, router.pool_size, states.device)
+    key = ("router_boundary", router.pool_size, batch, seq, states.device, id(pool_mask))
+    found = mask.memo.get(key)
+    if found is None or found[0] is not pool_mask:  # the id of a freed pooling mask may be reused
+        found = (pool_mask, boundary_positions(padding, batch, seq, router.pool_size, states.device))
+        mask.memo[key] = found
+    return found[1]
+
+
 def routed_layer_attention(layer: SparseAttentionLayer, query: Tensor, key: Tensor, value: Tensor,
                            mask: ForwardMask | None, scale: float | None) -> Tensor:
     """A routed layer's attention, ``[B, H, S_q, d]``: route at prefill, reuse the prefill's modes at decode."""
@@ -149,8 +173,8 @@ def routed_layer_attention(layer: SparseAttentionLayer, query: Tensor, key: Tens
             raise ValueError(f"{where}: the router's states were not captured in this forward (the model did not "
                              "call the hooked projection before attention)")
         settings = layer.settings
-        pool = settings.pool_mask if settings.pool_mask is not None else (None if mask is None else mask.padding)
-        routing = layer.router.route(states, pool, tau=settings.tau, hard=settings.hard,
+        boundary = forward_boundary(layer.router, states, mask, settings.pool_mask)
+        routing = layer.router.route(states, boundary=boundary, tau=settings.tau, hard=settings.hard,
                                      generator=settings.generator)
         layer.routing = routing
         layer.prefill_modes = routing.modes(attn.num_kv_heads)

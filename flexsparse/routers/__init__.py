@@ -1,8 +1,10 @@
 """Routers: which pattern each KV head (or layer) runs, per input (learned) or per model (static selection).
 
-* :func:`boundary_pool` (pooling): a sequence's first and last P real tokens, per head.
+* :func:`boundary_pool` (pooling): a sequence's first and last P real tokens, per head; in two steps,
+  :func:`boundary_positions` (a :class:`Boundary`, from the mask alone: once per forward) and :func:`gather_pool`.
 * :class:`HeadRouter` (Elastic Attention) and :class:`LayerRouter` (Flux Attention): logits from pooled states;
-  ``router.route(...)`` gives a :class:`Routing` whose ``modes()`` HybridAttention takes per call.
+  ``router.route(...)`` gives a :class:`Routing` whose ``modes()`` HybridAttention takes per call (at inference
+  on CUDA: one fused Triton launch, :mod:`flexsparse.kernels.router_infer`).
 * relaxation: Gumbel-softmax with straight-through hard decisions, temperature schedules.
 * constraint: MSR / ESR per sequence and the Lagrangian sparsity regulariser with per-task targets.
 * mixing: the training path (full and sparse outputs mixed by the straight-through weights).
@@ -26,7 +28,13 @@ from flexsparse.routers.constraint import (
 from flexsparse.routers.head_router import HeadRouter
 from flexsparse.routers.layer_router import LayerRouter
 from flexsparse.routers.mixing import mix_full_sparse, routed_attention
-from flexsparse.routers.pooling import DEFAULT_POOL_SIZE, boundary_pool
+from flexsparse.routers.pooling import (
+    DEFAULT_POOL_SIZE,
+    Boundary,
+    boundary_pool,
+    boundary_positions,
+    gather_pool,
+)
 from flexsparse.routers.relaxation import (
     CosineAnneal,
     ExponentialDecay,
@@ -49,6 +57,7 @@ __all__ = [
     "DEFAULT_POOL_SIZE",
     "ROBUST_TARGET",
     "SENSITIVE_TARGET",
+    "Boundary",
     "CosineAnneal",
     "ExponentialDecay",
     "HeadRouter",
@@ -58,10 +67,12 @@ __all__ = [
     "SparsityConstraint",
     "attended_pairs",
     "boundary_pool",
+    "boundary_positions",
     "causal_pairs",
     "decisions",
     "entropy_selection",
     "esr",
+    "gather_pool",
     "gumbel_noise",
     "hsa_discrepancy",
     "hsa_selection",

@@ -18,13 +18,19 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 
-from flexsparse.routers.pooling import DEFAULT_POOL_SIZE
+from flexsparse.routers.pooling import (
+    DEFAULT_POOL_SIZE,
+    Boundary,
+    boundary_positions,
+    check_boundary,
+    gather_pool,
+)
 from flexsparse.routers.relaxation import FULL, SPARSE, relaxed_decisions
 from flexsparse.validation import as_float, as_int
 
@@ -55,6 +61,8 @@ class Routing:
     weights: Tensor
     full_mode: int
     sparse_mode: int
+    decided_modes: Tensor | None = field(default=None, repr=False)
+    """int64 ``[B, G]``: the modes the fused inference kernel wrote with the weights (None: derived from them)."""
 
     @property
     def sparse_weight(self) -> Tensor:
@@ -70,22 +78,31 @@ class Routing:
         """Per-call modes for HybridAttention, int64 ``[B, H_kv]``: ``sparse_mode`` or ``full_mode`` per KV head.
 
         ``num_kv_heads`` expands a layer router's single decision (G = 1) to every KV head; for a head router it
-        must equal G when given.
+        must equal G when given. With ``decided_modes`` (the fused kernel's), those, expanded for a layer router
+        (a view: do not write to it).
         """
-        decision = self.is_sparse
+        shape = None  # [B, H_kv] to expand a layer router's decision to
         if num_kv_heads is not None:
             num_kv_heads = as_int("num_kv_heads", num_kv_heads, minimum=1)
-            groups = decision.shape[1]
+            batch, groups = self.weights.shape[:2]
             if groups == 1:
-                decision = decision.expand(decision.shape[0], num_kv_heads)
+                shape = (batch, num_kv_heads)
             elif groups != num_kv_heads:
                 raise ValueError(f"num_kv_heads ({num_kv_heads}) differs from the router's {groups} KV heads")
+        if self.decided_modes is not None:
+            return self.decided_modes if shape is None else self.decided_modes.expand(shape)
+        decision = self.is_sparse if shape is None else self.is_sparse.expand(shape)
         full = torch.full_like(decision, self.full_mode, dtype=torch.long)
         return torch.where(decision, self.sparse_mode, full)
 
 
 class Router(nn.Module):
     """Base class: pooled per-head states -> logits -> :class:`Routing`.
+
+    A subclass builds ``task_mlp`` (two linear layers) and ``router_mlp`` (three, the last one 2 wide) with
+    :func:`mlp`, and ``forward(states, key_padding_mask=None, *, boundary=None)`` feeds them the pooled states
+    (:meth:`pool`), averaged over heads first when ``average_heads``. In eval mode without gradients,
+    ``route(..., fused=True)`` runs all of it in one fused Triton launch (:mod:`flexsparse.kernels.router_infer`).
 
     Args:
         head_dim: d of the states the router reads.
@@ -96,6 +113,8 @@ class Router(nn.Module):
     """
 
     kind: ClassVar[str] = ""
+    average_heads: ClassVar[bool] = False
+    """Whether the pooled heads are averaged into one MLP input per sequence (one decision for every head)."""
     _registry: ClassVar[dict[str, type[Router]]] = {}
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -113,6 +132,7 @@ class Router(nn.Module):
         if self.full_mode == self.sparse_mode:
             raise ValueError(f"full_mode and sparse_mode must differ, both are {self.full_mode}")
         self.init_std = as_float("init_std", init_std, positive=True)
+        self._fused_workspace = None  # the fused kernel's scratch (RouterWorkspace), made at its first launch
 
     def reset_parameters(self) -> None:
         """N(0, init_std) weights and zero biases in every linear layer."""
@@ -131,17 +151,78 @@ class Router(nn.Module):
             raise ValueError(f"{name} has head_dim {states.shape[-1]}, the router was built for "
                              f"head_dim={self.head_dim}")
 
-    def route(self, states: Tensor, key_padding_mask: Tensor | None = None, *, tau: float | Tensor = 1.0,
-              hard: bool = True, generator: torch.Generator | None = None) -> Routing:
+    def boundary(self, states: Tensor, key_padding_mask: Tensor | None = None,
+                 boundary: Boundary | None = None) -> Boundary:
+        """Where this router pools ``states`` ``[B, S, H, d]``: ``boundary`` (checked) when given, else the
+        :func:`~flexsparse.routers.pooling.boundary_positions` of ``key_padding_mask``."""
+        if boundary is None:
+            return boundary_positions(key_padding_mask, states.shape[0], states.shape[1], self.pool_size,
+                                      states.device)
+        if key_padding_mask is not None:
+            raise ValueError("pass key_padding_mask or a boundary computed from it, not both")
+        check_boundary(boundary, states.shape[0], states.shape[1], states.device, self.pool_size)
+        return boundary
+
+    def pool(self, states: Tensor, key_padding_mask: Tensor | None = None, boundary: Boundary | None = None,
+             name: str = "states") -> Tensor:
+        """Boundary-pooled ``states``: ``[B, S, H, head_dim]`` -> ``[B, H, head_dim]`` in the states' dtype."""
+        self.check_states(states, name)
+        return gather_pool(states, self.boundary(states, key_padding_mask, boundary))
+
+    def fused_layers(self) -> list[tuple[Tensor, Tensor | None]]:
+        """(weight, bias) of the linear layers of ``task_mlp`` then ``router_mlp``, in order: what the fused
+        kernel reads (five layers with biases in the built-in routers)."""
+        return [(m.weight, m.bias) for part in (self.task_mlp, self.router_mlp) for m in part
+                if isinstance(m, nn.Linear)]
+
+    def route(self, states: Tensor, key_padding_mask: Tensor | None = None, *, boundary: Boundary | None = None,
+              tau: float | Tensor = 1.0, hard: bool = True, generator: torch.Generator | None = None,
+              fused: bool = False) -> Routing:
         """Logits and weights for one layer. Training mode: Gumbel noise at temperature ``tau`` and
-        straight-through hard weights (``hard=False``: soft weights). Eval mode: the deterministic argmax."""
-        logits = self(states, key_padding_mask)
+        straight-through hard weights (``hard=False``: soft weights). Eval mode: the deterministic argmax.
+
+        ``boundary``: the pooled slots, precomputed once per forward for every layer (instead of
+        ``key_padding_mask``). ``fused=True`` runs eval mode without gradients through the fused Triton kernel
+        (one launch: the same logits to float32 rounding, the same weights and modes, the modes precomputed in
+        ``decided_modes``; on CPU under ``TRITON_INTERPRET=1``) or raises ValueError where it cannot. It is opt-in
+        until it has been timed and checked on a GPU (tested in the interpreter only).
+        """
+        if fused:
+            routing = self._route_fused(states, key_padding_mask, boundary)
+            if not isinstance(routing, Routing):
+                raise ValueError(f"route(fused=True): {routing}")
+            return routing
+        logits = self(states, key_padding_mask, boundary=boundary)
         logits = logits.reshape(logits.shape[0], -1, 2)
         if self.training:
             weights = relaxed_decisions(logits, tau, hard=hard, noise=True, generator=generator)
         else:
             weights = relaxed_decisions(logits.detach(), hard=True, noise=False).detach()
         return Routing(logits, weights, self.full_mode, self.sparse_mode)
+
+    def _route_fused(self, states: Tensor, key_padding_mask: Tensor | None,
+                     boundary: Boundary | None) -> Routing | str:
+        """The fused kernel's routing, or why it cannot run (then :meth:`route` takes the torch path or raises)."""
+        if self.training:
+            return "the router is in training mode (Gumbel sampling and gradients run in torch)"
+        self.check_states(states, "states")
+        if torch.is_grad_enabled() and (states.requires_grad or any(p.requires_grad for p in self.parameters())):
+            return "gradients are enabled and required (run under torch.no_grad() or inference_mode())"
+        try:
+            from flexsparse.kernels import router_infer  # needs triton: imported on this path only
+        except ImportError as error:
+            return f"the fused kernel needs triton ({error})"
+        layers = self.fused_layers()
+        reason = router_infer.fused_support(states, layers)
+        if reason is not None:
+            return reason
+        found = self.boundary(states, key_padding_mask, boundary)
+        if self._fused_workspace is None:
+            self._fused_workspace = router_infer.RouterWorkspace()
+        logits, weights, modes = router_infer.fused_routing(
+            states, found.positions, found.weights, layers, average_heads=self.average_heads,
+            full_mode=self.full_mode, sparse_mode=self.sparse_mode, workspace=self._fused_workspace)
+        return Routing(logits, weights, self.full_mode, self.sparse_mode, modes)
 
     def config(self) -> dict:
         """Plain-dict config; :meth:`Router.from_config` rebuilds the module (weights come from the state_dict)."""

@@ -12,14 +12,15 @@ from __future__ import annotations
 from torch import Tensor
 
 from flexsparse.routers.base import DEFAULT_INIT_STD, Router, mlp
-from flexsparse.routers.pooling import DEFAULT_POOL_SIZE, boundary_pool
+from flexsparse.routers.pooling import DEFAULT_POOL_SIZE, Boundary
 
 
 class HeadRouter(Router):
     """Per-(sequence, KV head) routing logits from key states.
 
-    ``forward(key_states, key_padding_mask=None)``: key states ``[B, S, H_kv, d]`` before RoPE and an optional
-    ``[B, S]`` mask (True = real token) -> logits ``[B, H_kv, 2]`` (channel 0 full, channel 1 sparse). See
+    ``forward(key_states, key_padding_mask=None, *, boundary=None)``: key states ``[B, S, H_kv, d]`` before RoPE
+    and an optional ``[B, S]`` mask (True = real token), or a precomputed
+    :class:`~flexsparse.routers.pooling.Boundary` -> logits ``[B, H_kv, 2]`` (channel 0 full, channel 1 sparse). See
     :class:`~flexsparse.routers.base.Router` for the constructor and :meth:`~Router.route`.
     """
 
@@ -33,8 +34,8 @@ class HeadRouter(Router):
         self.router_mlp = mlp([d, 4 * d, d, 2])
         self.reset_parameters()
 
-    def forward(self, key_states: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
-        self.check_states(key_states, "key_states")
-        pooled = boundary_pool(key_states, key_padding_mask, self.pool_size)  # [B, H_kv, d]
+    def forward(self, key_states: Tensor, key_padding_mask: Tensor | None = None, *,
+                boundary: Boundary | None = None) -> Tensor:
+        pooled = self.pool(key_states, key_padding_mask, boundary, "key_states")  # [B, H_kv, d]
         weight = self.task_mlp[0].weight
         return self.router_mlp(self.task_mlp(pooled.to(weight.dtype)))

@@ -12,19 +12,21 @@ from __future__ import annotations
 from torch import Tensor
 
 from flexsparse.routers.base import DEFAULT_INIT_STD, Router, mlp
-from flexsparse.routers.pooling import DEFAULT_POOL_SIZE, boundary_pool
+from flexsparse.routers.pooling import DEFAULT_POOL_SIZE, Boundary
 
 
 class LayerRouter(Router):
     """Per-sequence routing logits for a whole layer from query states.
 
-    ``forward(query_states, key_padding_mask=None)``: query states ``[B, S, H_q, d]`` before RoPE and an optional
-    ``[B, S]`` mask (True = real token) -> logits ``[B, 2]`` (channel 0 full, channel 1 sparse). Its
+    ``forward(query_states, key_padding_mask=None, *, boundary=None)``: query states ``[B, S, H_q, d]`` before
+    RoPE and an optional ``[B, S]`` mask (True = real token), or a precomputed
+    :class:`~flexsparse.routers.pooling.Boundary` -> logits ``[B, 2]`` (channel 0 full, channel 1 sparse). Its
     :class:`~flexsparse.routers.base.Routing` has G = 1; ``routing.modes(num_kv_heads)`` gives every KV head the
     layer's decision.
     """
 
     kind = "layer"
+    average_heads = True
 
     def __init__(self, head_dim: int, pool_size: int = DEFAULT_POOL_SIZE, *, full_mode: int = 0,
                  sparse_mode: int = 1, init_std: float = DEFAULT_INIT_STD) -> None:
@@ -34,8 +36,8 @@ class LayerRouter(Router):
         self.router_mlp = mlp([2 * d, 4 * d, d, 2])
         self.reset_parameters()
 
-    def forward(self, query_states: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
-        self.check_states(query_states, "query_states")
-        pooled = boundary_pool(query_states, key_padding_mask, self.pool_size).mean(1)  # [B, d]
+    def forward(self, query_states: Tensor, key_padding_mask: Tensor | None = None, *,
+                boundary: Boundary | None = None) -> Tensor:
+        pooled = self.pool(query_states, key_padding_mask, boundary, "query_states").mean(1)  # [B, d]
         weight = self.task_mlp[0].weight
         return self.router_mlp(self.task_mlp(pooled.to(weight.dtype)))

@@ -107,7 +107,7 @@ class SdpaExecutor(Executor):
                                                                                  geo.kv_len)
         folded_q = q.reshape(batch, k.shape[1], group * q_len, dim)
         out = F.scaled_dot_product_attention(folded_q, k, v, attn_mask=folded_mask, scale=call.scale)
-        return _zero_empty_rows(out.view(batch, n_heads, q_len, dim), empty[:, None])
+        return _zero_empty_rows(out.reshape(batch, n_heads, q_len, dim), empty[:, None])
 
 
 class DenseExecutor(Executor):
