@@ -260,7 +260,11 @@ def test_decode_path_follows_the_padding_layout(layout, monkeypatch):
         calls.append(self.layout)
         return out
 
+    def cuda_only(*args, **kwargs):
+        raise AssertionError("the CUDA decode kernel was called on CPU tensors (it needs the interpreter there)")
+
     monkeypatch.setattr(kv_cache.SparseKVLayer, "attend", spy)
+    monkeypatch.setattr(kv_cache, "ranged_decode_attention", cuda_only)
     model = convert(tiny_model("llama"), PATTERNS, MIXED, backend="dense")
     ids, mask = {"none": left_padded([14, 14]), "left": left_padded([14, 10]), "other": right_padded([14, 6])}[layout]
     cache = SparseKVCache(model)

@@ -24,7 +24,7 @@ all layers, none without a padding mask, and generate() syncs every step anyway)
   build a graph for every new length);
 * a left-padded prompt: row b's real tokens are the last ``real_b`` slots of a full buffer and the first
   ``min(real_b, capacity)`` slots of its ring, so each head attends one slot range per row, bounds on the device:
-  :func:`~flexsparse.kernels.decode.ranged_decode_attention`.
+  :func:`~flexsparse.kernels.decode.ranged_decode_attention` on CUDA, its PyTorch form on the CPU.
 
 Any other padding (a right-padded prompt, padding in a chunk or a decode token) sends decode through the
 position-masked path below from then on.
@@ -50,7 +50,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from flexsparse.integrations.forward_mask import ForwardMask
 from flexsparse.integrations.layer import CacheGroup, SparseAttentionLayer, sparse_layers
-from flexsparse.kernels.decode import ranged_decode_attention
+from flexsparse.kernels.decode import ranged_decode_attention, ranged_decode_reference
 from flexsparse.masks import Positions, SinkWindow
 from flexsparse.runtime.buckets import kv_bucket
 from flexsparse.runtime.executors import sdpa_without_graph_builds
@@ -161,9 +161,11 @@ class _GroupCache:
 
     def attend_ranges(self, q: Tensor, lo: Tensor, hi: Tensor, scale: float | None) -> Tensor:
         """One query per sequence against slots ``lo[b] <= slot < hi[b]`` (``[B]`` on the device), every one a key
-        it attends: the ranged decode kernel (split over the slots, GQA without a K/V copy, no host sync)."""
+        it attends: the ranged decode kernel on CUDA (split over the slots, GQA without a K/V copy, no host sync),
+        its PyTorch form elsewhere."""
         q_group = self.pick_q(q)[:, :, 0]
-        return ranged_decode_attention(q_group, self.keys, self.values, lo, hi, scale=scale)[:, :, None]
+        attend = ranged_decode_attention if q.is_cuda else ranged_decode_reference
+        return attend(q_group, self.keys, self.values, lo, hi, scale=scale)[:, :, None]
 
     def attend_filled(self, q: Tensor, filled: int, scale: float | None) -> Tensor:
         """One query per sequence against the first ``filled`` slots, every one a key it attends: SDPA without a
