@@ -404,6 +404,11 @@ def _check_buffers(prefix: str, keys: object, values: object, q: Tensor, dtypes:
             raise ValueError(f"{prefix}keys' capacity ({keys.shape[2]}) must fit int32")
 
 
+def kernels_run_on(device: torch.device) -> bool:
+    """Whether the decode kernels run on ``device``: CUDA, or any device under the Triton interpreter."""
+    return device.type == "cuda" or bool(triton.knobs.runtime.interpret)
+
+
 def _check_kernel_args(q: Tensor, out: object, scale: object, splits: object, block_n: object) -> tuple:
     """What the kernels need beyond the shapes: the head dim, out, the device; returns (scale, splits, block_n)
     checked."""
@@ -422,7 +427,7 @@ def _check_kernel_args(q: Tensor, out: object, scale: object, splits: object, bl
             raise ValueError(f"block_n must be a power of two, got {block_n}")
     if splits is not None:
         splits = as_int("splits", splits, minimum=1, maximum=65535)  # the grid's second dimension
-    if q.device.type != "cuda" and not triton.knobs.runtime.interpret:
+    if not kernels_run_on(q.device):
         raise ValueError(f"the decode kernels need CUDA tensors (q is on {q.device}); on CPU use the references "
                          "(ranged_decode_reference, decode_step_reference), or set TRITON_INTERPRET=1 before "
                          "importing triton")
