@@ -451,10 +451,12 @@ def table(report: dict) -> str:
 @torch.no_grad()
 def router_overhead(lengths: tuple[int, ...] = (8192, 131072, 1048576), *, kind: str = "head", kv_heads: int = 8,
                     heads: int = 32, head_dim: int = 128, pool_size: int = 100, batch: int = 1,
-                    dtype: torch.dtype = torch.bfloat16, device: str = "cuda", repeats: int = 50) -> dict[int, float]:
-    """Milliseconds per layer of routing one prefill (``router.route`` in eval mode on states ``[B, S, H, d]``
-    with a padding mask, then ``routing.modes``), per prompt length; CUDA events, mean of ``repeats``."""
-    from flexsparse.routers import HeadRouter, LayerRouter
+                    dtype: torch.dtype = torch.bfloat16, device: str = "cuda", repeats: int = 50) -> dict[int, dict]:
+    """Milliseconds of routing one prefill, per prompt length (CUDA events, mean of ``repeats``): ``per_forward``,
+    the pooled slots from the padding mask (once per forward, shared by the layers); ``per_layer``, one layer's
+    ``router.route`` in eval mode on states ``[B, S, H, d]`` with those slots, then ``routing.modes``, through
+    torch and through the fused kernel (``route(..., fused=True)``)."""
+    from flexsparse.routers import HeadRouter, LayerRouter, boundary_positions
 
     router = (HeadRouter if kind == "head" else LayerRouter)(head_dim, pool_size).to(device).eval()
     result = {}
@@ -462,7 +464,14 @@ def router_overhead(lengths: tuple[int, ...] = (8192, 131072, 1048576), *, kind:
         states = torch.randn(batch, length, kv_heads if kind == "head" else heads, head_dim, device=device,
                              dtype=dtype)
         mask = torch.ones(batch, length, dtype=torch.bool, device=device)
-        result[length] = cuda_ms(lambda: router.route(states, mask).modes(kv_heads), repeats)
+        slots = boundary_positions(mask, batch, length, pool_size, device)
+        with torch.no_grad():
+            result[length] = {
+                "per_forward": cuda_ms(lambda: boundary_positions(mask, batch, length, pool_size, device), repeats),
+                "per_layer_torch": cuda_ms(lambda: router.route(states, boundary=slots).modes(kv_heads), repeats),
+                "per_layer_fused": cuda_ms(lambda: router.route(states, boundary=slots, fused=True).modes(kv_heads),
+                                           repeats),
+            }
     return result
 
 
