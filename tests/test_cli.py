@@ -159,8 +159,10 @@ def test_bench_hf_smoke_writes_its_json(tmp_path):
     pytest.importorskip("transformers")
     assert main(["bench", "--hf", "--smoke", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "hf-bench.json").read_text())
-    assert len(result["decode"]) == 4 and len(result["generate"]) == 4
+    assert len(result["decode"]) == 5 and len(result["generate"]) == 4  # 2 batches x 2 depths + a left-padded batch
+    assert [row["left_padded"] for row in result["decode"]] == [False] * 4 + [True]
     assert all(row["first_step_error"] < 1e-4 and row["kv_saved"] > 1 for row in result["decode"])
+    assert all(row["decode_step_ms"] > 0 and row["prefill_s"] > 0 for row in result["generate"])
 
 
 def test_specs():
