@@ -74,25 +74,18 @@ def ring_slot_positions(counts: Tensor, sink: int, window: int, capacity: int, s
     return torch.where(slot < sink, in_sink, in_window).to(torch.int32)
 
 
-def _filled_to(mask: ForwardMask, tokens: int) -> Tensor:
-    """``tokens`` for every row, int64 ``[B]`` (memoised per forward)."""
-    found = mask.memo.get(("filled to", tokens))
+def _constant(mask: ForwardMask, value: int) -> Tensor:
+    """``value`` for every row, int64 ``[B]`` on the device (memoised per forward: shared by its layers)."""
+    found = mask.memo.get(("constant", value))
     if found is None:
-        found = mask.memo[("filled to", tokens)] = torch.full((mask.batch,), tokens, dtype=torch.long,
-                                                             device=mask.device)
+        found = mask.memo[("constant", value)] = torch.full((mask.batch,), value, dtype=torch.long,
+                                                           device=mask.device)
     return found
 
 
 def _per_row(mask: ForwardMask, values: Tensor) -> Tensor:
     """``[B']`` values (B' = 1 when shared by the batch) as ``[B]``."""
     return values if values.shape[0] == mask.batch else values.expand(mask.batch).contiguous()
-
-
-def _zeros_like(mask: ForwardMask, like: Tensor) -> Tensor:
-    found = mask.memo.get("zeros")
-    if found is None:
-        found = mask.memo["zeros"] = torch.zeros_like(like)
-    return found
 
 
 class _HeadIndex:
@@ -212,7 +205,7 @@ class _EveryKey(_GroupCache):
             lo = mask.memo.get(("left ranges", tokens))
             if lo is None:
                 lo = mask.memo[("left ranges", tokens)] = tokens - _per_row(mask, mask.real_counts(tokens))
-            return self.attend_ranges(q, lo, _filled_to(mask, tokens), scale)
+            return self.attend_ranges(q, lo, _constant(mask, tokens), scale)
         return layer.attention(self.pick_q(q), self.keys, self.values, positions=mask.positions_in(self.capacity),
                                kv_heads=self.group.kv_heads, scale=scale)
 
@@ -285,7 +278,7 @@ class _Ring(_GroupCache):
             if filled is None:
                 filled = mask.memo[("ring filled", tokens, self.capacity)] = _per_row(
                     mask, mask.real_counts(tokens)).clamp(max=self.capacity)
-            return self.attend_ranges(q, _zeros_like(mask, filled), filled, scale)
+            return self.attend_ranges(q, _constant(mask, 0), filled, scale)
         q_group, table = self.pick_q(q), mask.table_positions()
         if key.shape[2] == 1:  # decode: write, then attend every filled slot (they are the pattern's keys)
             self.write_one(key, value, mask, tokens)
@@ -370,8 +363,8 @@ class SparseKVLayer(CacheLayerMixin):
             for group in self.groups:
                 group.write(key, value, 0) if isinstance(group, _EveryKey) else group.rewrite(key, value, mask, 0)
             return out
-        # While no token so far was padding, full and ring heads read a prefix of filled slots: plain SDPA, no
-        # position tables, no per-step plan. A padding token anywhere sends this and later steps to the masks.
+        # Decode reads slot ranges without masks while the padding so far is "none" or "left" (see the module
+        # docstring); padding among new tokens sends this and later steps to the position masks.
         if self.layout != "other" and mask.new_tokens_padded():
             self.layout = "other"
         decode = self.layout if q_len == 1 and self.layout != "other" else None
