@@ -407,8 +407,8 @@ class SparseKVLayer(CacheLayerMixin):
             for group in self.groups:
                 group.write(key, value, 0) if isinstance(group, _EveryKey) else group.rewrite(key, value, mask, 0)
             return out
-        # While no token so far was padding, full and ring heads read a prefix of filled slots: plain SDPA, no
-        # position tables, no per-step plan. A padding token anywhere sends this and later steps to the masks.
+        # Decode reads slot ranges without masks while the padding so far is "none" or "left" (see the module
+        # docstring); padding among new tokens sends this and later steps to the position masks.
         if self.layout != "other" and mask.new_tokens_padded():
             self.layout = "other"
         decode = self.layout if q_len == 1 and self.layout != "other" else None
