@@ -245,11 +245,13 @@ def test_qwen3_8b_like_cache_at_128k_is_3_8x_smaller():
     assert all_full / cache.memory_bytes() == pytest.approx(3.81, abs=0.005)
 
 
+@pytest.mark.parametrize("one_launch", [True, False])
 @pytest.mark.parametrize("layout", ["none", "left", "other"])
-def test_decode_path_follows_the_padding_layout(layout, monkeypatch):
+def test_decode_path_follows_the_padding_layout(layout, one_launch, monkeypatch):
     """Full and ring heads decode without masks while the cache holds no padding (SDPA over the filled slots) or
     a left-padded prompt (the ranged kernel, one slot range per sequence), and through position masks for other
-    padding; the logits equal the uncached model's in every case (the rings wrap around during the steps)."""
+    padding; the logits equal the uncached model's in every case (the rings wrap around during the steps), with
+    the one-launch step kernel (here in the Triton interpreter) and with a call per group."""
     import flexsparse.integrations.kv_cache as kv_cache
 
     calls = []
@@ -265,6 +267,8 @@ def test_decode_path_follows_the_padding_layout(layout, monkeypatch):
 
     monkeypatch.setattr(kv_cache.SparseKVLayer, "attend", spy)
     monkeypatch.setattr(kv_cache, "ranged_decode_attention", cuda_only)
+    if not one_launch:  # where the decode kernels cannot run (CPU without the interpreter): a call per group
+        monkeypatch.setattr(kv_cache, "kernels_run_on", lambda device: False)
     model = convert(tiny_model("llama"), PATTERNS, MIXED, backend="dense")
     ids, mask = {"none": left_padded([14, 14]), "left": left_padded([14, 10]), "other": right_padded([14, 6])}[layout]
     cache = SparseKVCache(model)

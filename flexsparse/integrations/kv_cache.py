@@ -26,6 +26,10 @@ all layers, none without a padding mask, and generate() syncs every step anyway)
   ``min(real_b, capacity)`` slots of its ring, so each head attends one slot range per row, bounds on the device:
   :func:`~flexsparse.kernels.decode.ranged_decode_attention` on CUDA, its PyTorch form on the CPU.
 
+Where the decode kernels run (CUDA, or the Triton interpreter) and a layer's heads form at most two such
+groups of consecutive heads, the whole step is one call, :func:`~flexsparse.kernels.decode.decode_step_attention`:
+it writes the new token into both groups' buffers and attends both (two launches, no per-group copies, no cat).
+
 Any other padding (a right-padded prompt, padding in a chunk or a decode token) sends decode through the
 position-masked path below from then on.
 
@@ -50,7 +54,13 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from flexsparse.integrations.forward_mask import ForwardMask
 from flexsparse.integrations.layer import CacheGroup, SparseAttentionLayer, sparse_layers
-from flexsparse.kernels.decode import ranged_decode_attention, ranged_decode_reference
+from flexsparse.kernels.decode import (
+    DecodeGroup,
+    decode_step_attention,
+    kernels_run_on,
+    ranged_decode_attention,
+    ranged_decode_reference,
+)
 from flexsparse.masks import Positions, SinkWindow
 from flexsparse.runtime.buckets import kv_bucket
 from flexsparse.runtime.executors import sdpa_without_graph_builds
@@ -195,6 +205,19 @@ class _EveryKey(_GroupCache):
         self.keys[:, :, past:end] = self.pick_kv(key)
         self.values[:, :, past:end] = self.pick_kv(value)
 
+    def step_group(self, mask: ForwardMask, past: int, layout: str) -> DecodeGroup:
+        """The new token (position ``past``) goes to slot ``past``; it attends every real slot up to it: all of
+        them without padding, a row's last ``real_b`` slots after a left-padded prompt."""
+        tokens = past + 1
+        if layout == "none":
+            lo = _constant(mask, 0)
+        else:
+            lo = mask.memo.get(("left ranges", tokens))
+            if lo is None:
+                lo = mask.memo[("left ranges", tokens)] = tokens - _per_row(mask, mask.real_counts(tokens))
+        return DecodeGroup(self.keys, self.values, self.group.kv_heads[0], lo, _constant(mask, tokens),
+                           _constant(mask, past))
+
     def attend(self, layer: SparseAttentionLayer, q: Tensor, key: Tensor, value: Tensor, mask: ForwardMask,
                past: int, scale: float | None, decode: str | None = None) -> Tensor:
         self.write(key, value, past)
@@ -248,6 +271,24 @@ class _Ring(_GroupCache):
         keep = from_new[:, None, :, None]
         self.keys = torch.where(keep, self.pick_kv(key).gather(2, index), self.keys)
         self.values = torch.where(keep, self.pick_kv(value).gather(2, index), self.values)
+
+    def step_group(self, mask: ForwardMask, past: int, layout: str) -> DecodeGroup:
+        """The new token goes to its ring slot (known on the host without padding, per row after a left-padded
+        prompt); it attends a row's filled slots, the first ``min(real tokens, capacity)``."""
+        tokens = past + 1
+        if layout == "none":
+            slot = _constant(mask, past if past < self.sink else self.sink + (past - self.sink) % self.window)
+            filled = _constant(mask, min(tokens, self.capacity))
+        else:
+            counts = _per_row(mask, mask.real_counts(tokens))
+            slot = mask.memo.get(("ring step slot", self.sink, self.window))
+            if slot is None:
+                slot = mask.memo[("ring step slot", self.sink, self.window)] = ring_slot_of(counts - 1, self.sink,
+                                                                                           self.window)
+            filled = mask.memo.get(("ring filled", tokens, self.capacity))
+            if filled is None:
+                filled = mask.memo[("ring filled", tokens, self.capacity)] = counts.clamp(max=self.capacity)
+        return DecodeGroup(self.keys, self.values, self.group.kv_heads[0], _constant(mask, 0), filled, slot)
 
     def write_one(self, key: Tensor, value: Tensor, mask: ForwardMask, tokens: int, real: bool = False) -> None:
         """Decode: the new token into its slot (``real``: it is known to be a real token). A padding token goes
@@ -322,6 +363,9 @@ class SparseKVLayer(CacheLayerMixin):
         ranges = [group.q_index.slice for group in self.groups]
         self.heads_in_order = all(r is not None for r in ranges) and all(
             a.stop == b.start for a, b in zip(ranges, ranges[1:]))
+        self.one_launch_decode = len(self.groups) <= 2 and all(
+            group.group.kind in ("full", "ring") and group.kv_index.slice is not None for group in self.groups)
+        """Whether a decode step can run as one kernel call (full and ring groups of consecutive heads)."""
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         self.batch, self.dtype, self.device = key_states.shape[0], key_states.dtype, key_states.device
@@ -368,6 +412,9 @@ class SparseKVLayer(CacheLayerMixin):
         if self.layout != "other" and mask.new_tokens_padded():
             self.layout = "other"
         decode = self.layout if q_len == 1 and self.layout != "other" else None
+        if decode is not None and self.one_launch_decode and kernels_run_on(q.device):
+            groups = [group.step_group(mask, past, decode) for group in self.groups]
+            return decode_step_attention(q[:, :, 0], key[:, :, 0], value[:, :, 0], groups, scale=scale)[:, :, None]
         results = [group.attend(layer, q, key, value, mask, past, scale, decode) for group in self.groups]
         if len(results) == 1:
             return results[0]

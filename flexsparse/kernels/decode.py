@@ -1,34 +1,57 @@
-"""Ranged decode attention (flash-decoding) over a per-head-group KV cache, in Triton.
+"""Decode attention (flash-decoding) over per-head-group KV caches, in Triton.
 
-Each sequence b has one query per head and attends the contiguous cache slots ``lo[b] <= slot < hi[b]`` of a
-buffer of capacity C. The bounds are read on the device, so a decode step never syncs the host and one compiled
-kernel serves every step (the launch depends only on shapes).
+Two entry points share one split kernel and one combine kernel:
 
-* Split-K: the grid is ``(B * Hkv, splits)``. Program (b, kv head, s) takes the s-th of ``splits`` equal chunks
-  of ``[lo[b], hi[b])`` (a multiple of BLOCK_N slots, split on the device from the live range, so a short range
-  in a large buffer still spreads over the splits; chunks past ``hi`` are empty and contribute nothing). The
-  number of splits comes from host ints only (C, B, Hkv, the SM count): enough programs to fill every SM when
-  B * Hkv is small (B=1, Hkv=2 at 131,072 slots), no more splits than C holds chunks of ``min_blocks_per_split``
-  tiles.
+* :func:`ranged_decode_attention`: one query per sequence and head attends the contiguous slots
+  ``lo[b] <= slot < hi[b]`` of one K/V buffer of capacity C.
+* :func:`decode_step_attention`: a layer's whole decode step in one call. The layer's KV heads are split among one
+  or two cache groups (:class:`DecodeGroup`: e.g. a buffer of every token for the full heads and a sink + window
+  ring for the others, capacities differing), each with its own slot range per sequence. The call writes the new
+  token's key and value into each group's ``slot[b]`` and attends ``[lo[b], hi[b])`` with the new token there.
+
+The bounds are read on the device, so a decode step never syncs the host and one compiled kernel serves every step
+(the launch depends only on shapes).
+
+* Split-K: the grid is ``(B * Hkv, splits)``. Program (b, kv head, s) takes the s-th of its group's ``S_g`` equal
+  chunks of ``[lo[b], hi[b])`` (a multiple of BLOCK_N slots, split on the device from the live range, so a short
+  range in a large buffer still spreads over the splits; chunks past ``hi`` are empty and contribute nothing).
+  ``S_g`` comes from host ints only (B, the groups' heads and capacities, the SM count): chunks of about equal
+  capacity so that all groups together give ``programs_per_sm`` programs per SM, none shorter than
+  ``min_blocks_per_split`` tiles. The grid's second dimension is the largest ``S_g``; the programs past their
+  group's count do nothing (on an H100 at B = 1: 126 splits per head of a 131K-slot group, 3 of a 2K-slot ring).
+* Two groups in one launch: the group holding KV head 0 comes first; a program picks its group by comparing its
+  KV head with the first group's head count (constexpr ``HAS_SECOND``), then runs the same code on that group's
+  pointers, strides, capacity and bounds.
+* The new token without a race: every program masks ``slot[b]`` out of its cache reads; the split-0 program of
+  each (sequence, KV head) stores k_new/v_new there and starts its online softmax from the new key (one score
+  per query row from registers, ``1 * v_new`` in the accumulator). No program reads what another writes.
 * GQA sharing: a program handles all G query heads of its KV head, so K and V are read from HBM once per group:
   scores are a ``[G_PAD, d] x [d, BLOCK_N]`` tl.dot (G padded to >= 16 rows, the tensor-core minimum, padding
   rows masked), then an online softmax in fp32 and ``P @ V`` into an fp32 accumulator.
 * Combine: each program writes its partial (row max, row sum, unnormalised accumulator) into an fp32 workspace;
-  a second small kernel merges the splits of each (b, head) and writes the output (an empty range gives zeros).
-  With one split the first kernel normalises and writes the output itself (one launch).
+  a second small kernel merges the splits of each (b, query head) and writes the output (an empty range gives
+  zeros). With one split the first kernel normalises and writes the output itself (one launch).
+* Host path: the launch plan (split counts, tile size, grid, constexprs, an fp32 workspace reused by every call of
+  that plan) is cached per call signature (shapes, dtypes, devices, K/V strides, scale, ``KERNEL_CONFIG``); the
+  full argument checks run when a plan is built. A call builds its signature, looks it up and launches: no
+  allocation but the output (none with ``out=``), no host sync. Calls on one stream are ordered, so reusing the
+  workspace is safe; concurrent calls of one signature on two streams are not.
 
 What bounds it: for long ranges HBM bandwidth (every K and V byte of the range is read once; the workspace is
 ~``B * Hq * splits * d * 4`` bytes, small beside them); for short ranges (a sink + window ring of a few thousand
-slots) the launch latency of the two kernels and one program's serial latency over its chunk.
+slots) the launch latency of the two kernels and one program's serial latency over its chunk; at batch 1 the host
+(Triton's launcher per kernel, the plan look-up, the output allocation).
 
 fp32 inputs use exact (ieee) dots; 16-bit inputs use the tensor cores with fp32 accumulation and P rounded to the
-input dtype for ``P @ V`` (as FlashAttention). Also here: :func:`ranged_decode_reference`, the same function in
-plain PyTorch, for tests and CPU use.
+input dtype for ``P @ V`` (as FlashAttention). Also here: :func:`ranged_decode_reference` and
+:func:`decode_step_reference`, the same functions in plain PyTorch, for tests and CPU use.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -38,7 +61,7 @@ from torch import Tensor
 from flexsparse.validation import as_float, as_int
 
 KERNEL_CONFIG = {
-    "programs_per_sm": 2,  # target split-kernel programs per SM when B * Hkv alone cannot fill the GPU
+    "programs_per_sm": 2,  # target split-kernel programs per SM, all groups together
     "min_blocks_per_split": 2,  # a split spans at least this many BLOCK_N tiles of the capacity
     "tile_bytes": 16384,  # BLOCK_N * d * element size of one K (or V) tile, BLOCK_N clamped to [16, 128]
     "num_warps": 4,
@@ -46,7 +69,7 @@ KERNEL_CONFIG = {
     "combine_elements": 8192,  # workspace elements (splits x d) the combine kernel reads per step
     "combine_warps": 4,
 }
-"""Launch settings of :func:`ranged_decode_attention` (read at every call, so a benchmark can sweep them)."""
+"""Launch settings of both entry points (part of the plan signature, so a benchmark can sweep them)."""
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -54,77 +77,138 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _decode_split_kernel(
-    Q, K, V, LO, HI, O, WS,
-    stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-    stride_ob, stride_oh, stride_od, stride_lo, stride_hi,
-    capacity, stats_offset, scale_log2,
-    KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-    DIRECT: tl.constexpr, PRECISION: tl.constexpr,
+def _attend_chunk(
+    Q, O, WS, KN, VN, K, V, LO, HI, SLOT,
+    batch64, kv_head, local_head, split, row_splits,
+    stride_qb, stride_qh, stride_qd, stride_ob, stride_oh, stride_od,
+    stride_knb, stride_knh, stride_knd, stride_vnb, stride_vnh, stride_vnd,
+    stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs, stride_lo, stride_hi, stride_slot,
+    capacity, splits, stats_offset, scale_log2,
+    HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_NEW: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """One chunk of one sequence's range for the GROUP query heads of one KV head: O [B, Hq, D] when DIRECT
-    (one split), else the partial (acc [D], max, sum) of each head into WS."""
-    batch = tl.program_id(0) // KV_HEADS
+    """Chunk ``split`` of ``splits`` of [LO[b], HI[b]) of one group's buffers K/V (head ``local_head``) for the
+    GROUP query heads of the layer's KV head ``kv_head``: O [B, HEADS, D] when DIRECT, else partials into WS rows
+    ``(b * HEADS + head) * row_splits + split``. With HAS_NEW, slot SLOT[b] is masked out of the reads and split 0
+    stores KN/VN [B, Hkv, D] there and attends them from registers."""
+    if split < splits:
+        lo = tl.minimum(tl.maximum(tl.load(LO + batch64 * stride_lo), 0), capacity).to(tl.int32)
+        hi = tl.minimum(tl.maximum(tl.load(HI + batch64 * stride_hi), 0), capacity).to(tl.int32)
+        chunk = tl.cdiv(tl.cdiv(tl.maximum(hi - lo, 0), splits), BLOCK_N) * BLOCK_N
+        start = lo + split * chunk
+        end = tl.minimum(start + chunk, hi)
+
+        rows = tl.arange(0, G_PAD)
+        dims = tl.arange(0, D)
+        cols = tl.arange(0, BLOCK_N)
+        real = rows < GROUP  # padding rows (G < G_PAD) compute with q = 0 and are never stored
+        head64 = (kv_head * GROUP + rows).to(tl.int64)
+        q = tl.load(Q + batch64 * stride_qb + head64[:, None] * stride_qh + dims[None, :] * stride_qd,
+                    mask=real[:, None], other=0.0)
+        k_head = K + batch64 * stride_kb + local_head.to(tl.int64) * stride_kh
+        v_head = V + batch64 * stride_vb + local_head.to(tl.int64) * stride_vh
+        first = start.to(tl.int64) + cols[:, None]
+        k_ptrs = k_head + first * stride_ks + dims[None, :]
+        v_ptrs = v_head + first * stride_vs + dims[None, :]
+
+        if HAS_NEW:
+            slot = tl.load(SLOT + batch64 * stride_slot).to(tl.int32)
+            kv64 = kv_head.to(tl.int64)
+            k_new = tl.load(KN + batch64 * stride_knb + kv64 * stride_knh + dims * stride_knd)
+            v_new = tl.load(VN + batch64 * stride_vnb + kv64 * stride_vnh + dims * stride_vnd)
+            owner = split == 0
+            if owner & (slot >= 0) & (slot < capacity):
+                tl.store(k_head + slot.to(tl.int64) * stride_ks + dims, k_new)
+                tl.store(v_head + slot.to(tl.int64) * stride_vs + dims, v_new)
+            new_score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale_log2
+            m_max = tl.where(owner, new_score, float("-inf"))  # the softmax state of the new key alone
+            l_sum = tl.zeros([G_PAD], dtype=tl.float32) + tl.where(owner, 1.0, 0.0)
+            acc = tl.zeros([G_PAD, D], dtype=tl.float32) + tl.where(owner, v_new.to(tl.float32)[None, :], 0.0)
+        else:
+            m_max = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
+            l_sum = tl.zeros([G_PAD], dtype=tl.float32)
+            acc = tl.zeros([G_PAD, D], dtype=tl.float32)
+        for n in range(start, end, BLOCK_N):
+            inside = n + cols < end
+            if HAS_NEW:
+                inside = inside & (n + cols != slot)  # its old content; the new key is in the state already
+            k = tl.load(k_ptrs, mask=inside[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=inside[:, None], other=0.0)
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [G_PAD, BLOCK_N]
+            scores = tl.where(inside[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m_max, tl.max(scores, axis=1))
+            m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)  # -inf: nothing seen yet (a tile of the slot alone)
+            alpha = tl.math.exp2(m_max - m_ref)
+            p = tl.math.exp2(scores - m_ref[:, None])
+            l_sum = l_sum * alpha + tl.sum(p, axis=1)
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+            m_max = m_new
+            k_ptrs += BLOCK_N * stride_ks
+            v_ptrs += BLOCK_N * stride_vs
+
+        if DIRECT:
+            out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]  # an empty range: acc = 0, a zero row
+            tl.store(O + batch64 * stride_ob + head64[:, None] * stride_oh + dims[None, :] * stride_od,
+                     out.to(O.dtype.element_ty), mask=real[:, None])
+        else:
+            row = (batch64 * HEADS + head64) * row_splits + split  # [G_PAD] partial rows
+            tl.store(WS + row[:, None] * D + dims[None, :], acc, mask=real[:, None])
+            tl.store(WS + stats_offset + 2 * row, m_max, mask=real)  # -inf for an empty chunk
+            tl.store(WS + stats_offset + 2 * row + 1, l_sum, mask=real)
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q, O, WS, KN, VN, K1, V1, LO1, HI1, SLOT1, K2, V2, LO2, HI2, SLOT2,
+    stride_qb, stride_qh, stride_qd, stride_ob, stride_oh, stride_od,
+    stride_knb, stride_knh, stride_knd, stride_vnb, stride_vnh, stride_vnd,
+    stride_k1b, stride_k1h, stride_k1s, stride_v1b, stride_v1h, stride_v1s, stride_lo1, stride_hi1, stride_slot1,
+    stride_k2b, stride_k2h, stride_k2s, stride_v2b, stride_v2h, stride_v2s, stride_lo2, stride_hi2, stride_slot2,
+    capacity1, splits1, capacity2, splits2, stats_offset, scale_log2,
+    KV_HEADS: tl.constexpr, FIRST_KV_HEADS: tl.constexpr, HAS_SECOND: tl.constexpr, GROUP: tl.constexpr,
+    G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, HAS_NEW: tl.constexpr, DIRECT: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Program (b * KV_HEADS + kv head, split): KV heads below FIRST_KV_HEADS read group 1 (K1, V1, ...), the
+    others (with HAS_SECOND) group 2 as its heads ``kv head - FIRST_KV_HEADS``. See :func:`_attend_chunk`."""
+    batch64 = (tl.program_id(0) // KV_HEADS).to(tl.int64)
     kv_head = tl.program_id(0) % KV_HEADS
     split = tl.program_id(1)
-    splits = tl.num_programs(1)
-    batch64 = batch.to(tl.int64)
-    lo = tl.minimum(tl.maximum(tl.load(LO + batch64 * stride_lo), 0), capacity).to(tl.int32)
-    hi = tl.minimum(tl.maximum(tl.load(HI + batch64 * stride_hi), 0), capacity).to(tl.int32)
-    chunk = tl.cdiv(tl.cdiv(tl.maximum(hi - lo, 0), splits), BLOCK_N) * BLOCK_N
-    start = lo + split * chunk
-    end = tl.minimum(start + chunk, hi)
-
-    rows = tl.arange(0, G_PAD)
-    dims = tl.arange(0, D)
-    cols = tl.arange(0, BLOCK_N)
-    real = rows < GROUP  # padding rows (G < G_PAD) compute with q = 0 and are never stored
-    head64 = (kv_head * GROUP + rows).to(tl.int64)
-    q = tl.load(Q + batch64 * stride_qb + head64[:, None] * stride_qh + dims[None, :] * stride_qd,
-                mask=real[:, None], other=0.0)
-    first = start.to(tl.int64) + cols[:, None]
-    k_ptrs = K + batch64 * stride_kb + kv_head.to(tl.int64) * stride_kh + first * stride_ks + dims[None, :]
-    v_ptrs = V + batch64 * stride_vb + kv_head.to(tl.int64) * stride_vh + first * stride_vs + dims[None, :]
-
-    m_max = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
-    l_sum = tl.zeros([G_PAD], dtype=tl.float32)
-    acc = tl.zeros([G_PAD, D], dtype=tl.float32)
-    for n in range(start, end, BLOCK_N):
-        inside = n + cols < end
-        k = tl.load(k_ptrs, mask=inside[:, None], other=0.0)
-        v = tl.load(v_ptrs, mask=inside[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [G_PAD, BLOCK_N]
-        scores = tl.where(inside[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_max, tl.max(scores, axis=1))  # finite: every tile holds a slot of the range
-        alpha = tl.math.exp2(m_max - m_new)
-        p = tl.math.exp2(scores - m_new[:, None])
-        l_sum = l_sum * alpha + tl.sum(p, axis=1)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
-        m_max = m_new
-        k_ptrs += BLOCK_N * stride_ks
-        v_ptrs += BLOCK_N * stride_vs
-
-    if DIRECT:
-        out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]  # an empty range: acc = 0, a zero row
-        tl.store(O + batch64 * stride_ob + head64[:, None] * stride_oh + dims[None, :] * stride_od,
-                 out.to(O.dtype.element_ty), mask=real[:, None])
+    row_splits = tl.num_programs(1)
+    if HAS_SECOND:
+        in_second = kv_head >= FIRST_KV_HEADS
     else:
-        row = (batch64 * (KV_HEADS * GROUP) + head64) * splits + split  # [G_PAD] partial rows
-        tl.store(WS + row[:, None] * D + dims[None, :], acc, mask=real[:, None])
-        tl.store(WS + stats_offset + 2 * row, m_max, mask=real)  # -inf for an empty chunk
-        tl.store(WS + stats_offset + 2 * row + 1, l_sum, mask=real)
+        in_second = False
+    if in_second:
+        _attend_chunk(
+            Q, O, WS, KN, VN, K2, V2, LO2, HI2, SLOT2, batch64, kv_head, kv_head - FIRST_KV_HEADS, split,
+            row_splits, stride_qb, stride_qh, stride_qd, stride_ob, stride_oh, stride_od,
+            stride_knb, stride_knh, stride_knd, stride_vnb, stride_vnh, stride_vnd,
+            stride_k2b, stride_k2h, stride_k2s, stride_v2b, stride_v2h, stride_v2s, stride_lo2, stride_hi2,
+            stride_slot2, capacity2, splits2, stats_offset, scale_log2,
+            KV_HEADS * GROUP, GROUP, G_PAD, D, BLOCK_N, HAS_NEW, DIRECT, PRECISION)
+    else:
+        _attend_chunk(
+            Q, O, WS, KN, VN, K1, V1, LO1, HI1, SLOT1, batch64, kv_head, kv_head, split,
+            row_splits, stride_qb, stride_qh, stride_qd, stride_ob, stride_oh, stride_od,
+            stride_knb, stride_knh, stride_knd, stride_vnb, stride_vnh, stride_vnd,
+            stride_k1b, stride_k1h, stride_k1s, stride_v1b, stride_v1h, stride_v1s, stride_lo1, stride_hi1,
+            stride_slot1, capacity1, splits1, stats_offset, scale_log2,
+            KV_HEADS * GROUP, GROUP, G_PAD, D, BLOCK_N, HAS_NEW, DIRECT, PRECISION)
 
 
 @triton.jit
 def _decode_combine_kernel(
-    WS, O, stride_ob, stride_oh, stride_od, splits, stats_offset,
-    HEADS: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
+    WS, O, stride_ob, stride_oh, stride_od, splits1, splits2, row_splits, stats_offset,
+    HEADS: tl.constexpr, FIRST_HEADS: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
-    """O[b, h] from the ``splits`` partials of (b, h): sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s."""
+    """O[b, h] from the partials of (b, h) (``splits1`` of them for heads below FIRST_HEADS, else ``splits2``):
+    sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s."""
     pair = tl.program_id(0)
     batch64 = (pair // HEADS).to(tl.int64)
-    head64 = (pair % HEADS).to(tl.int64)
-    first = pair.to(tl.int64) * splits
+    head = pair % HEADS
+    splits = tl.where(head < FIRST_HEADS, splits1, splits2)
+    first = pair.to(tl.int64) * row_splits
     offs = tl.arange(0, BLOCK_S)
     dims = tl.arange(0, D)
     m_seen = tl.full([BLOCK_S], float("-inf"), dtype=tl.float32)
@@ -144,11 +228,47 @@ def _decode_combine_kernel(
         acc += tl.sum(weight[:, None] * part, axis=0)
     total = tl.sum(l_seen, axis=0)
     out = acc / tl.where(total > 0, total, 1.0)
-    tl.store(O + batch64 * stride_ob + head64 * stride_oh + dims * stride_od, out.to(O.dtype.element_ty))
+    tl.store(O + batch64 * stride_ob + head.to(tl.int64) * stride_oh + dims * stride_od,
+             out.to(O.dtype.element_ty))
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Launch configuration and argument checks.
+# Launch plans and argument checks.
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeGroup:
+    """One cache group of a layer's decode step: the buffers of the layer's consecutive KV heads
+    ``kv_start .. kv_start + n - 1`` and, per sequence, where the new token goes and which slots it attends.
+
+    keys/values ``[B, n, C, d]`` (any strides with a contiguous last dim; C = the group's capacity, >= 1).
+    lo, hi, slot: int32 or int64 ``[B]`` on the device (any stride): after its key and value are written at
+    ``slot[b]``, the new query attends slots ``lo[b] <= s < hi[b]`` (clamped to ``[0, C]``), which must hold
+    ``slot[b]``: the new token is always attended (an out-of-range slot is attended but not written).
+    """
+
+    keys: Tensor
+    values: Tensor
+    kv_start: int
+    lo: Tensor
+    hi: Tensor
+    slot: Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """What one call signature launches (built once by :func:`_build_plan`)."""
+
+    grid: tuple[int, int] | None  # (B * Hkv, max splits); None: nothing to compute (B or Hq is 0)
+    scalars: tuple  # capacity and splits of each group, the stats offset, scale * log2(e)
+    split_options: dict  # constexprs and launch options of the split kernel
+    workspace: Tensor | None  # fp32 partials; None with one split (the split kernel writes the output)
+    combine_grid: tuple[int]
+    combine_scalars: tuple  # splits of each group, the workspace's splits per row, the stats offset
+    combine_options: dict
+
+
+_PLANS: dict[tuple, _Plan] = {}
 
 
 @functools.lru_cache(maxsize=None)
@@ -165,12 +285,75 @@ def _block_n(dim: int, dtype: torch.dtype) -> int:
     return max(16, min(128, triton.next_power_of_2(max(slots, 1))))
 
 
-def _num_splits(batch: int, kv_heads: int, capacity: int, block_n: int, device: torch.device) -> int:
-    """Splits per (sequence, KV head), from host ints only: ``programs_per_sm`` programs per SM over the
-    B * Hkv pairs, at most as many as C holds chunks of ``min_blocks_per_split`` tiles, at least one."""
+def _split_counts(batch: int, groups: list[tuple[int, int]], block_n: int, device: torch.device) -> list[int]:
+    """Splits per (sequence, KV head) of each group of (KV heads, capacity), from host ints only: chunks of equal
+    capacity, as many as give ``programs_per_sm`` programs per SM over all groups, none shorter than
+    ``min_blocks_per_split`` tiles; at least one per group."""
     target = KERNEL_CONFIG["programs_per_sm"] * _sm_count(device)
-    by_capacity = triton.cdiv(capacity, KERNEL_CONFIG["min_blocks_per_split"] * block_n)
-    return max(1, min(triton.cdiv(target, batch * kv_heads), by_capacity))
+    slots = batch * sum(heads * capacity for heads, capacity in groups)
+    chunk = max(KERNEL_CONFIG["min_blocks_per_split"] * block_n, triton.cdiv(slots, target))
+    return [max(1, triton.cdiv(capacity, chunk)) for _, capacity in groups]
+
+
+def _build_plan(q: Tensor, kv_heads: int, groups: list[tuple[int, int]], has_new: bool, scale: float | None,
+                splits: int | None, block_n: int | None) -> _Plan:
+    """The launch of one call signature: groups (KV heads, capacity) in KV-head order, arguments checked."""
+    batch, heads, dim = q.shape
+    scale = dim**-0.5 if scale is None else scale
+    block_n = _block_n(dim, q.dtype) if block_n is None else block_n
+    counts = [splits] * len(groups) if splits is not None else _split_counts(batch, groups, block_n, q.device)
+    (first_heads, first_capacity), (_, second_capacity) = groups[0], groups[-1]
+    first_splits, second_splits = counts[0], counts[-1]
+    row_splits = max(counts)
+    pairs = batch * heads
+    stats_offset = pairs * row_splits * dim  # (max, sum) pairs follow the accumulators
+    group_size = heads // kv_heads
+    split_options = dict(
+        KV_HEADS=kv_heads, FIRST_KV_HEADS=first_heads, HAS_SECOND=len(groups) == 2, GROUP=group_size,
+        G_PAD=max(16, triton.next_power_of_2(group_size)), D=dim, BLOCK_N=block_n, HAS_NEW=has_new,
+        DIRECT=row_splits == 1, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=KERNEL_CONFIG["num_warps"], num_stages=KERNEL_CONFIG["num_stages"])
+    workspace = None
+    if row_splits > 1 and pairs:
+        workspace = torch.empty(pairs * row_splits * (dim + 2), dtype=torch.float32, device=q.device)
+    block_s = min(triton.next_power_of_2(row_splits), max(1, KERNEL_CONFIG["combine_elements"] // dim))
+    return _Plan(
+        grid=(batch * kv_heads, row_splits) if pairs else None,
+        scalars=(first_capacity, first_splits, second_capacity, second_splits, stats_offset, scale * _LOG2E),
+        split_options=split_options, workspace=workspace, combine_grid=(pairs,),
+        combine_scalars=(first_splits, second_splits, row_splits, stats_offset),
+        combine_options=dict(HEADS=heads, FIRST_HEADS=first_heads * group_size, D=dim, BLOCK_S=block_s,
+                             num_warps=KERNEL_CONFIG["combine_warps"]))
+
+
+def _launch(plan: _Plan, q: Tensor, out: Tensor, k_new: Tensor, v_new: Tensor, first: DecodeGroup,
+            second: DecodeGroup) -> None:
+    """The split kernel over both groups (``second is first`` for one group), then the combine (with splits)."""
+    workspace = out if plan.workspace is None else plan.workspace
+    k1, v1, k2, v2 = first.keys.stride(), first.values.stride(), second.keys.stride(), second.values.stride()
+    _decode_split_kernel[plan.grid](
+        q, out, workspace, k_new, v_new,
+        first.keys, first.values, first.lo, first.hi, first.slot,
+        second.keys, second.values, second.lo, second.hi, second.slot,
+        *q.stride(), *out.stride(), *k_new.stride(), *v_new.stride(),
+        k1[0], k1[1], k1[2], v1[0], v1[1], v1[2], first.lo.stride(0), first.hi.stride(0), first.slot.stride(0),
+        k2[0], k2[1], k2[2], v2[0], v2[1], v2[2], second.lo.stride(0), second.hi.stride(0), second.slot.stride(0),
+        *plan.scalars, **plan.split_options)
+    if plan.workspace is not None:
+        _decode_combine_kernel[plan.combine_grid](workspace, out, *out.stride(), *plan.combine_scalars,
+                                                  **plan.combine_options)
+
+
+def _config_signature() -> tuple:
+    return tuple(KERNEL_CONFIG.values())
+
+
+def _group_signature(group: DecodeGroup) -> tuple:
+    """What a plan depends on in a group: its heads, and the shapes, strides, dtypes and devices of its tensors."""
+    keys, values, lo, hi, slot = group.keys, group.values, group.lo, group.hi, group.slot
+    return (group.kv_start, keys.shape, keys.stride(), keys.dtype, keys.device, values.shape, values.stride(),
+            values.dtype, values.device, lo.shape, lo.dtype, lo.device, hi.shape, hi.dtype, hi.device, slot.shape,
+            slot.dtype, slot.device)
 
 
 def _check_tensor(name: str, t: object, dims: int, dtypes: tuple) -> None:
@@ -182,30 +365,128 @@ def _check_tensor(name: str, t: object, dims: int, dtypes: tuple) -> None:
         raise TypeError(f"{name} must be one of {', '.join(str(d)[6:] for d in dtypes)}, got {t.dtype}")
 
 
-def _check_args(q: Tensor, keys: Tensor, values: Tensor, lo: Tensor, hi: Tensor, dtypes: tuple) -> None:
+def _check_same(name: str, t: Tensor, q: Tensor) -> None:
+    """t has q's dtype and device."""
+    if t.dtype != q.dtype:
+        raise TypeError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
+    if t.device != q.device:
+        raise ValueError(f"{name} is on {t.device}, q is on {q.device}")
+
+
+def _check_index(name: str, t: object, q: Tensor) -> None:
+    """An int32/int64 ``[B]`` tensor on q's device."""
+    _check_tensor(name, t, 1, _INDEX_DTYPES)
+    if t.device != q.device:
+        raise ValueError(f"{name} is on {t.device}, q is on {q.device}")
+    if t.shape[0] != q.shape[0]:
+        raise ValueError(f"{name} must have shape [{q.shape[0]}] (q's batch), got {list(t.shape)}")
+
+
+def _check_buffers(prefix: str, keys: object, values: object, q: Tensor, dtypes: tuple, kernel: bool) -> None:
+    """keys/values ``[B, n, C, d]`` of q's dtype, batch, head dim and device; for the kernel a contiguous last
+    dim and an int32 capacity."""
+    _check_tensor(f"{prefix}keys", keys, 4, dtypes)
+    _check_tensor(f"{prefix}values", values, 4, dtypes)
+    _check_same(f"{prefix}keys", keys, q)
+    _check_same(f"{prefix}values", values, q)
+    if keys.shape != values.shape:
+        raise ValueError(f"{prefix}keys and {prefix}values must have the same shape, got {list(keys.shape)} and "
+                         f"{list(values.shape)}")
+    batch, _, dim = q.shape
+    if keys.shape[0] != batch or keys.shape[3] != dim:
+        raise ValueError(f"{prefix}keys/values [B, Hkv, C, d] must match q's batch {batch} and head dim {dim}, "
+                         f"got {list(keys.shape)}")
+    if kernel:
+        if keys.stride(-1) != 1 or values.stride(-1) != 1:
+            raise ValueError(f"{prefix}keys and {prefix}values must have a contiguous last dimension "
+                             "(stride(-1) == 1)")
+        if keys.shape[2] >= 2**31:
+            raise ValueError(f"{prefix}keys' capacity ({keys.shape[2]}) must fit int32")
+
+
+def kernels_run_on(device: torch.device) -> bool:
+    """Whether the decode kernels run on ``device``: CUDA, or any device under the Triton interpreter."""
+    return device.type == "cuda" or bool(triton.knobs.runtime.interpret)
+
+
+def _check_kernel_args(q: Tensor, out: object, scale: object, splits: object, block_n: object) -> tuple:
+    """What the kernels need beyond the shapes: the head dim, out, the device; returns (scale, splits, block_n)
+    checked."""
+    dim = q.shape[2]
+    if dim < 16 or dim > 256 or dim & (dim - 1):
+        raise ValueError(f"q's head dim must be a power of two in [16, 256], got {dim}")
+    if out is not None:
+        _check_tensor("out", out, 3, (q.dtype,))
+        if out.shape != q.shape or out.device != q.device:
+            raise ValueError(f"out must have q's shape {list(q.shape)} on {q.device}, got {list(out.shape)} on "
+                             f"{out.device}")
+    scale = None if scale is None else as_float("scale", scale, positive=True)
+    if block_n is not None:
+        block_n = as_int("block_n", block_n, minimum=16)
+        if block_n & (block_n - 1):
+            raise ValueError(f"block_n must be a power of two, got {block_n}")
+    if splits is not None:
+        splits = as_int("splits", splits, minimum=1, maximum=65535)  # the grid's second dimension
+    if not kernels_run_on(q.device):
+        raise ValueError(f"the decode kernels need CUDA tensors (q is on {q.device}); on CPU use the references "
+                         "(ranged_decode_reference, decode_step_reference), or set TRITON_INTERPRET=1 before "
+                         "importing triton")
+    return scale, splits, block_n
+
+
+def _check_ranged_args(q: Tensor, keys: Tensor, values: Tensor, lo: Tensor, hi: Tensor, dtypes: tuple,
+                       kernel: bool) -> None:
     """Shapes [B, Hq, d], [B, Hkv, C, d] x 2, [B] x 2; one dtype for q/keys/values; one device for all."""
     _check_tensor("q", q, 3, dtypes)
-    _check_tensor("keys", keys, 4, dtypes)
-    _check_tensor("values", values, 4, dtypes)
-    _check_tensor("lo", lo, 1, _INDEX_DTYPES)
-    _check_tensor("hi", hi, 1, _INDEX_DTYPES)
-    if keys.dtype != q.dtype or values.dtype != q.dtype:
-        raise TypeError(f"keys and values must have q's dtype {q.dtype}, got {keys.dtype} and {values.dtype}")
-    for name, t in (("keys", keys), ("values", values), ("lo", lo), ("hi", hi)):
-        if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device}, q is on {q.device}")
-    if keys.shape != values.shape:
-        raise ValueError(f"keys and values must have the same shape, got {list(keys.shape)} and "
-                         f"{list(values.shape)}")
+    _check_buffers("", keys, values, q, dtypes, kernel)
+    _check_index("lo", lo, q)
+    _check_index("hi", hi, q)
+    if keys.shape[1] == 0 or q.shape[1] % keys.shape[1]:
+        raise ValueError(f"q's heads ({q.shape[1]}) must be a multiple of keys' heads ({keys.shape[1]})")
+
+
+def check_decode_step_args(q: Tensor, k_new: Tensor, v_new: Tensor, groups: Sequence[DecodeGroup],
+                           dtypes: tuple = _SUPPORTED_DTYPES, kernel: bool = True) -> list[DecodeGroup]:
+    """The shape/dtype/device checks of :func:`decode_step_attention` (``kernel``: also what its kernel needs of
+    the buffers; ``dtypes``: the accepted float dtypes). Raises a TypeError or ValueError naming the argument;
+    returns the groups in KV-head order. Runs when a launch plan is built, not on every call."""
+    _check_tensor("q", q, 3, dtypes)
+    _check_tensor("k_new", k_new, 3, dtypes)
+    _check_tensor("v_new", v_new, 3, dtypes)
+    _check_same("k_new", k_new, q)
+    _check_same("v_new", v_new, q)
     batch, heads, dim = q.shape
-    if keys.shape[0] != batch or keys.shape[3] != dim:
-        raise ValueError(f"keys/values [B, Hkv, C, d] must match q's batch {batch} and head dim {dim}, got "
-                         f"{list(keys.shape)}")
-    if keys.shape[1] == 0 or heads % keys.shape[1]:
-        raise ValueError(f"q's heads ({heads}) must be a multiple of keys' heads ({keys.shape[1]})")
-    for name, t in (("lo", lo), ("hi", hi)):
-        if t.shape[0] != batch:
-            raise ValueError(f"{name} must have shape [{batch}] (q's batch), got {list(t.shape)}")
+    kv_heads = k_new.shape[1]
+    if k_new.shape[0] != batch or k_new.shape[2] != dim or v_new.shape != k_new.shape:
+        raise ValueError(f"k_new and v_new must have shape [B, Hkv, d] with q's batch {batch} and head dim {dim}, "
+                         f"got {list(k_new.shape)} and {list(v_new.shape)}")
+    if kv_heads == 0 or heads % kv_heads:
+        raise ValueError(f"q's heads ({heads}) must be a multiple of k_new's heads ({kv_heads})")
+    if not isinstance(groups, (list, tuple)):
+        raise TypeError(f"groups must be a list or tuple of DecodeGroup, got {type(groups).__name__}")
+    if not 1 <= len(groups) <= 2:
+        raise ValueError(f"groups must hold one or two DecodeGroup, got {len(groups)}")
+    for i, group in enumerate(groups):
+        if not isinstance(group, DecodeGroup):
+            raise TypeError(f"groups[{i}] must be a DecodeGroup, got {type(group).__name__}")
+        prefix = f"groups[{i}]."
+        _check_buffers(prefix, group.keys, group.values, q, dtypes, kernel)
+        if group.keys.shape[2] == 0:
+            raise ValueError(f"{prefix}keys must have at least one slot (the new token's), got capacity 0")
+        as_int(f"{prefix}kv_start", group.kv_start, minimum=0)
+        for name in ("lo", "hi", "slot"):
+            _check_index(prefix + name, getattr(group, name), q)
+    ordered = sorted(groups, key=lambda group: group.kv_start)
+    covered = 0
+    for group in ordered:
+        if group.kv_start != covered:
+            break
+        covered += group.keys.shape[1]
+    if covered != kv_heads or any(group.keys.shape[1] == 0 for group in ordered):
+        spans = ", ".join(f"{g.kv_start}..{g.kv_start + g.keys.shape[1] - 1}" for g in groups)
+        raise ValueError(f"groups must cover the KV heads 0..{kv_heads - 1} of k_new exactly once, each a "
+                         f"non-empty run of consecutive heads; got heads {spans}")
+    return ordered
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -226,56 +507,75 @@ def ranged_decode_attention(q: Tensor, keys: Tensor, values: Tensor, lo: Tensor,
     Returns ``[B, Hq, d]`` in q's dtype, written into ``out`` when given (any strides, e.g. a head slice of a
     larger buffer). ``splits`` / ``block_n`` override the split count per (sequence, KV head) and the slots per
     tile (a power of two >= 16); by default they follow from the shapes and ``KERNEL_CONFIG``. Never syncs the
-    host: every launch parameter is a shape.
+    host: every launch parameter is a shape. The arguments are checked in full the first time a signature
+    (shapes, dtypes, devices, K/V strides, scale, overrides) is seen; later calls only look up its plan.
     """
-    _check_args(q, keys, values, lo, hi, _SUPPORTED_DTYPES)
-    batch, heads, dim = q.shape
-    kv_heads, capacity = keys.shape[1], keys.shape[2]
-    if dim < 16 or dim > 256 or dim & (dim - 1):
-        raise ValueError(f"q's head dim must be a power of two in [16, 256], got {dim}")
-    if keys.stride(-1) != 1 or values.stride(-1) != 1:
-        raise ValueError("keys and values must have a contiguous last dimension (stride(-1) == 1)")
-    if capacity >= 2**31:
-        raise ValueError(f"keys' capacity ({capacity}) must fit int32")
-    scale = dim**-0.5 if scale is None else as_float("scale", scale, positive=True)
+    try:
+        signature = ("ranged", q.shape, q.dtype, q.device, keys.shape, keys.stride(), keys.dtype, keys.device,
+                     values.shape, values.stride(), values.dtype, values.device, lo.shape, lo.dtype, lo.device,
+                     hi.shape, hi.dtype, hi.device, None if out is None else (out.shape, out.dtype, out.device),
+                     scale, splits, block_n, _config_signature())
+    except AttributeError:  # not tensors: the checks name the argument
+        _check_ranged_args(q, keys, values, lo, hi, _SUPPORTED_DTYPES, kernel=True)
+        _check_kernel_args(q, out, scale, splits, block_n)
+        raise
+    plan = _PLANS.get(signature)
+    if plan is None:
+        _check_ranged_args(q, keys, values, lo, hi, _SUPPORTED_DTYPES, kernel=True)
+        checked_scale, checked_splits, checked_block_n = _check_kernel_args(q, out, scale, splits, block_n)
+        plan = _PLANS[signature] = _build_plan(q, keys.shape[1], [(keys.shape[1], keys.shape[2])], False,
+                                               checked_scale, checked_splits, checked_block_n)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    else:
-        _check_tensor("out", out, 3, (q.dtype,))
-        if out.shape != q.shape or out.device != q.device:
-            raise ValueError(f"out must have q's shape {list(q.shape)} on {q.device}, got {list(out.shape)} on "
-                             f"{out.device}")
-    block_n = _block_n(dim, q.dtype) if block_n is None else as_int("block_n", block_n, minimum=16)
-    if block_n & (block_n - 1):
-        raise ValueError(f"block_n must be a power of two, got {block_n}")
-    if splits is not None:
-        splits = as_int("splits", splits, minimum=1, maximum=65535)  # the grid's second dimension
-    if q.device.type != "cuda" and not triton.knobs.runtime.interpret:
-        raise ValueError(f"ranged_decode_attention needs CUDA tensors (q is on {q.device}); on CPU use "
-                         "ranged_decode_reference, or set TRITON_INTERPRET=1 before importing triton")
-    if batch == 0 or heads == 0:
+    if plan.grid is None:
         return out
-    if capacity == 0:  # no slot: every range is empty
+    if keys.shape[2] == 0:  # no slot: every range is empty
         return out.zero_()
-    if splits is None:
-        splits = _num_splits(batch, kv_heads, capacity, block_n, q.device)
+    group = DecodeGroup(keys, values, 0, lo, hi, lo)  # lo stands in for the unused slot
+    _launch(plan, q, out, q, q, group, group)  # q stands in for the unused new key and value
+    return out
 
-    group = heads // kv_heads
-    pairs = batch * heads
-    workspace = out if splits == 1 else torch.empty(pairs * splits * (dim + 2), dtype=torch.float32,
-                                                    device=q.device)
-    stats_offset = pairs * splits * dim  # (max, sum) pairs follow the accumulators
-    _decode_split_kernel[(batch * kv_heads, splits)](
-        q, keys, values, lo, hi, out, workspace, *q.stride(), *keys.stride()[:3], *values.stride()[:3],
-        *out.stride(), lo.stride(0), hi.stride(0), capacity, stats_offset, scale * _LOG2E,
-        KV_HEADS=kv_heads, GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), D=dim, BLOCK_N=block_n,
-        DIRECT=splits == 1, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=KERNEL_CONFIG["num_warps"], num_stages=KERNEL_CONFIG["num_stages"])
-    if splits > 1:
-        block_s = min(triton.next_power_of_2(splits), max(1, KERNEL_CONFIG["combine_elements"] // dim))
-        _decode_combine_kernel[(pairs,)](
-            workspace, out, *out.stride(), splits, stats_offset, HEADS=heads, D=dim, BLOCK_S=block_s,
-            num_warps=KERNEL_CONFIG["combine_warps"])
+
+def decode_step_attention(q: Tensor, k_new: Tensor, v_new: Tensor, groups: Sequence[DecodeGroup],
+                          scale: float | None = None, out: Tensor | None = None, *, splits: int | None = None,
+                          block_n: int | None = None) -> Tensor:
+    """One layer's decode step: write the new token into each group's cache, attend each group's slot ranges.
+
+    q ``[B, Hq, d]``, k_new/v_new ``[B, Hkv, d]`` (any strides, e.g. views of ``[B, H, 1, d]``), ``Hq = G * Hkv``,
+    one dtype among float32/bfloat16/float16, d a power of two in [16, 256]. ``groups``: one or two
+    :class:`DecodeGroup` (any order) whose KV heads cover ``0 .. Hkv - 1`` exactly once; query head h belongs to
+    KV head ``h // G``. For each group, sequence b and KV head: ``keys[b, head, slot[b]] = k_new[b, kv_start +
+    head]`` (values alike), then each of the head's G queries attends slots ``lo[b] <= s < hi[b]`` of the updated
+    buffer. ``scale`` defaults to ``d ** -0.5``.
+
+    Returns ``[B, Hq, d]`` in q's dtype, written into ``out`` when given (any strides). ``splits`` / ``block_n``
+    override the split count per (sequence, KV head) of every group and the slots per tile. One split-kernel
+    launch (all groups) and, with several splits, one combine launch; no host sync. The arguments are checked in
+    full the first time a signature (shapes, dtypes, devices, K/V strides, scale, overrides) is seen; later calls
+    only look up its plan.
+    """
+    try:
+        first, second = groups[0], groups[-1]
+        if first.kv_start:  # the kernel takes the group holding KV head 0 first
+            first, second = second, first
+        signature = ("step", q.shape, q.dtype, q.device, k_new.shape, k_new.dtype, k_new.device, v_new.shape,
+                     v_new.dtype, v_new.device, None if out is None else (out.shape, out.dtype, out.device),
+                     len(groups), scale, splits, block_n, _config_signature(),
+                     *_group_signature(first), *(_group_signature(second) if second is not first else ()))
+    except (AttributeError, TypeError, IndexError, KeyError):  # malformed arguments: the checks name them
+        check_decode_step_args(q, k_new, v_new, groups)
+        _check_kernel_args(q, out, scale, splits, block_n)
+        raise
+    plan = _PLANS.get(signature)
+    if plan is None:
+        ordered = check_decode_step_args(q, k_new, v_new, groups)
+        checked_scale, checked_splits, checked_block_n = _check_kernel_args(q, out, scale, splits, block_n)
+        plan = _PLANS[signature] = _build_plan(q, k_new.shape[1], [g.keys.shape[1:3] for g in ordered], True,
+                                               checked_scale, checked_splits, checked_block_n)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if plan.grid is not None:
+        _launch(plan, q, out, k_new, v_new, first, second)
     return out
 
 
@@ -286,7 +586,7 @@ def ranged_decode_reference(q: Tensor, keys: Tensor, values: Tensor, lo: Tensor,
     Computes in float64 for float64 inputs (accepted here, for a high-precision reference), else in float32;
     returns ``[B, Hq, d]`` in q's dtype. O(B Hq C d) time, O(B Hq C) memory for the scores.
     """
-    _check_args(q, keys, values, lo, hi, _SUPPORTED_DTYPES + (torch.float64,))
+    _check_ranged_args(q, keys, values, lo, hi, _SUPPORTED_DTYPES + (torch.float64,), kernel=False)
     batch, heads, dim = q.shape
     kv_heads, capacity = keys.shape[1], keys.shape[2]
     scale = dim**-0.5 if scale is None else as_float("scale", scale, positive=True)
@@ -299,3 +599,27 @@ def ranged_decode_reference(q: Tensor, keys: Tensor, values: Tensor, lo: Tensor,
     weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # an empty range: all -inf, a zero row
     out = torch.einsum("bkgc,bkcd->bkgd", weights, values.to(dtype))
     return out.reshape(batch, heads, dim).to(q.dtype)
+
+
+def decode_step_reference(q: Tensor, k_new: Tensor, v_new: Tensor, groups: Sequence[DecodeGroup],
+                          scale: float | None = None) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+    """The same function as :func:`decode_step_attention` in plain PyTorch, without mutating its inputs.
+
+    Returns (out ``[B, Hq, d]`` in q's dtype, each group's keys after the write, each group's values after the
+    write), the lists in the order of ``groups``. Accepts float64 (for a high-precision reference).
+    """
+    check_decode_step_args(q, k_new, v_new, groups, _SUPPORTED_DTYPES + (torch.float64,), kernel=False)
+    group_size = q.shape[1] // k_new.shape[1]
+    rows = torch.arange(q.shape[0], device=q.device)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    new_keys, new_values = [], []
+    for group in groups:
+        kv = slice(group.kv_start, group.kv_start + group.keys.shape[1])
+        keys, values = group.keys.clone(), group.values.clone()
+        keys[rows, :, group.slot.long()] = k_new[:, kv]
+        values[rows, :, group.slot.long()] = v_new[:, kv]
+        heads = slice(kv.start * group_size, kv.stop * group_size)
+        out[:, heads] = ranged_decode_reference(q[:, heads], keys, values, group.lo, group.hi, scale)
+        new_keys.append(keys)
+        new_values.append(values)
+    return out, new_keys, new_values
