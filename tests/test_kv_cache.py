@@ -184,6 +184,8 @@ def test_cache_errors():
     fresh.update(key, key, 1)
     with pytest.raises(ValueError, match="other keys or values than the sparse KV cache's update returned"):
         flexsparse_attention(layer, torch.zeros(1, 4, 1, HEAD_DIM), key.clone(), key, None)
+    with pytest.raises(TypeError, match="one_launch_decode must be a bool"):
+        SparseKVCache(model, one_launch_decode="yes")
 
 
 def test_forward_mask_positions():
@@ -201,13 +203,15 @@ def test_forward_mask_positions():
 
 
 @pytest.mark.gpu
-def test_gpu_decode_step_has_no_host_sync():
-    """A left-padded batch's decode step (ranged kernel for full and ring heads) syncs nothing per layer: the only
-    sync of a forward is whether its new tokens hold padding, read once for all layers."""
+@pytest.mark.parametrize("one_launch", [False, True])
+def test_gpu_decode_step_has_no_host_sync(one_launch):
+    """A left-padded batch's decode step (ranged kernel per group, or the one-launch step kernel, for full and
+    ring heads) syncs nothing per layer: the only sync of a forward is whether its new tokens hold padding, read
+    once for all layers."""
     model = convert(tiny_model("llama").cuda(), PATTERNS, MIXED, backend="flex")
     ids, mask = left_padded([20, 9])
     ids, mask = ids.cuda(), mask.cuda()
-    cache = SparseKVCache(model, max_length=64)
+    cache = SparseKVCache(model, max_length=64, one_launch_decode=one_launch)
     forward_logits(model, ids, mask, cache)
     mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
     layer = model.model.layers[0].self_attn
@@ -265,16 +269,23 @@ def test_decode_path_follows_the_padding_layout(layout, one_launch, monkeypatch)
     def cuda_only(*args, **kwargs):
         raise AssertionError("the CUDA decode kernel was called on CPU tensors (it needs the interpreter there)")
 
+    step_calls = []
+    step_kernel = kv_cache.decode_step_attention
+
+    def counted_step(*args, **kwargs):
+        step_calls.append(1)
+        return step_kernel(*args, **kwargs)
+
     monkeypatch.setattr(kv_cache.SparseKVLayer, "attend", spy)
     monkeypatch.setattr(kv_cache, "ranged_decode_attention", cuda_only)
-    if not one_launch:  # where the decode kernels cannot run (CPU without the interpreter): a call per group
-        monkeypatch.setattr(kv_cache, "kernels_run_on", lambda device: False)
+    monkeypatch.setattr(kv_cache, "decode_step_attention", counted_step)
     model = convert(tiny_model("llama"), PATTERNS, MIXED, backend="dense")
     ids, mask = {"none": left_padded([14, 14]), "left": left_padded([14, 10]), "other": right_padded([14, 6])}[layout]
-    cache = SparseKVCache(model)
+    cache = SparseKVCache(model, one_launch_decode=one_launch)
     forward_logits(model, ids[:, :8], mask[:, :8], cache)
     steps = [forward_logits(model, ids[:, t:t + 1], mask[:, :t + 1], cache) for t in range(8, 14)]
     alone = forward_logits(model, ids, mask)
     real = mask[:, 8:14].bool()
     torch.testing.assert_close(torch.cat(steps, 1)[real], alone[:, 8:14][real], atol=1e-4, rtol=0)
     assert set(calls) == {layout}
+    assert bool(step_calls) == (one_launch and layout != "other")

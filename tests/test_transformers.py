@@ -353,7 +353,8 @@ def test_other_inputs_are_refused():
 # ----- GPU (compiled flex) -------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
-def test_gpu_sparse_cache_decode_equals_one_forward_and_never_recompiles():
+@pytest.mark.parametrize("one_launch", [False, True])
+def test_gpu_sparse_cache_decode_equals_one_forward_and_never_recompiles(one_launch):
     """Compiled flex (ESA heads in bucketed buffers), SDPA (full heads, rings) on CUDA, fp32: teacher-forced decode
     logits through the sparse cache equal one forward over the whole sequence (atol 5e-3: flex may use TF32);
     a second generate() of the same lengths compiles nothing."""
@@ -365,7 +366,7 @@ def test_gpu_sparse_cache_decode_equals_one_forward_and_never_recompiles():
     ids, mask = ids.cuda(), mask.cuda()
     with torch.no_grad():
         expected = model(ids, attention_mask=mask).logits
-        cache, pieces = SparseKVCache(model, max_length=ids.shape[1]), []
+        cache, pieces = SparseKVCache(model, max_length=ids.shape[1], one_launch_decode=one_launch), []
         for start, stop in [(0, 9)] + [(t, t + 1) for t in range(9, ids.shape[1])]:
             positions = (mask[:, :stop].cumsum(-1) - 1).clamp(min=0)[:, start:stop]
             pieces.append(model(ids[:, start:stop], attention_mask=mask[:, :stop], position_ids=positions,

@@ -26,9 +26,10 @@ all layers, none without a padding mask, and generate() syncs every step anyway)
   ``min(real_b, capacity)`` slots of its ring, so each head attends one slot range per row, bounds on the device:
   :func:`~flexsparse.kernels.decode.ranged_decode_attention` on CUDA, its PyTorch form on the CPU.
 
-Where the decode kernels run (CUDA, or the Triton interpreter) and a layer's heads form at most two such
-groups of consecutive heads, the whole step is one call, :func:`~flexsparse.kernels.decode.decode_step_attention`:
-it writes the new token into both groups' buffers and attends both (two launches, no per-group copies, no cat).
+With ``SparseKVCache(model, one_launch_decode=True)``, where the decode kernels run (CUDA, or the Triton
+interpreter) and a layer's heads form at most two such groups of consecutive heads, the whole step is one call,
+:func:`~flexsparse.kernels.decode.decode_step_attention`: it writes the new token into both groups' buffers and
+attends both (two launches, no per-group copies, no cat). It is off by default until it has run on a GPU.
 
 Any other padding (a right-padded prompt, padding in a chunk or a decode token) sends decode through the
 position-masked path below from then on.
@@ -346,7 +347,8 @@ class SparseKVLayer(CacheLayerMixin):
     is_croppable = False
     is_sliding = False
 
-    def __init__(self, layer: SparseAttentionLayer, max_length: int | None = None) -> None:
+    def __init__(self, layer: SparseAttentionLayer, max_length: int | None = None,
+                 one_launch_decode: bool = False) -> None:
         super().__init__()
         self.layer = layer
         self.tokens = 0
@@ -363,9 +365,9 @@ class SparseKVLayer(CacheLayerMixin):
         ranges = [group.q_index.slice for group in self.groups]
         self.heads_in_order = all(r is not None for r in ranges) and all(
             a.stop == b.start for a, b in zip(ranges, ranges[1:]))
-        self.one_launch_decode = len(self.groups) <= 2 and all(
+        self.one_launch_decode = one_launch_decode and len(self.groups) <= 2 and all(
             group.group.kind in ("full", "ring") and group.kv_index.slice is not None for group in self.groups)
-        """Whether a decode step can run as one kernel call (full and ring groups of consecutive heads)."""
+        """Whether a decode step runs as one kernel call (asked for; full and ring groups of consecutive heads)."""
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         self.batch, self.dtype, self.device = key_states.shape[0], key_states.dtype, key_states.device
@@ -466,9 +468,12 @@ class SparseKVLayer(CacheLayerMixin):
 
 class SparseKVCache(Cache):
     """The sparse KV cache of a converted model; ``generate()`` builds one by itself (see
-    :func:`flexsparse.convert`). ``max_length``: the most tokens the cache will hold, if known (sizes buffers)."""
+    :func:`flexsparse.convert`). ``max_length``: the most tokens the cache will hold, if known (sizes buffers).
+    ``one_launch_decode``: decode full and sink+window heads with one kernel call per layer and step where the
+    decode kernels run (see the module docstring); off by default until measured on a GPU."""
 
-    def __init__(self, model: torch.nn.Module, max_length: int | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, max_length: int | None = None,
+                 one_launch_decode: bool = False) -> None:
         layers = sparse_layers(model)
         if not layers:
             raise ValueError("SparseKVCache needs a model converted with flexsparse.convert")
@@ -478,7 +483,9 @@ class SparseKVCache(Cache):
                              "sequence, so every head needs every key; use a DynamicCache (generate() picks one "
                              "by itself)")
         max_length = None if max_length is None else as_int("max_length", max_length, minimum=1)
-        super().__init__(layers=[SparseKVLayer(layer, max_length) for layer in layers])
+        if not isinstance(one_launch_decode, bool):
+            raise TypeError(f"one_launch_decode must be a bool, got {type(one_launch_decode).__name__}")
+        super().__init__(layers=[SparseKVLayer(layer, max_length, one_launch_decode) for layer in layers])
 
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
         return self.layers[layer_idx].update(key_states, value_states)

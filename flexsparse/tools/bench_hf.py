@@ -35,6 +35,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 import flexsparse.runtime.compiled
 from flexsparse.integrations import SparseKVCache, convert, kv_memory_formula, revert
 from flexsparse.integrations.transformers import flexsparse_attention, flexsparse_mask
+from flexsparse.kernels.decode import kernels_run_on
 from flexsparse.masks import Causal, SinkWindow
 
 
@@ -215,8 +216,8 @@ def decode_setup(cfg: HfBenchConfig, batch: int, layers: int = 1, padded: bool =
         for b in range(batch):
             real[b, :(b * 997) % min(4096, seq // 2)] = False
 
-    def prefilled(max_length: int, q) -> SparseKVCache:
-        cache = SparseKVCache(model, max_length=max_length)
+    def prefilled(max_length: int, q, one_launch: bool = False) -> SparseKVCache:
+        cache = SparseKVCache(model, max_length=max_length, one_launch_decode=one_launch)
         mask = flexsparse_mask(batch, seq, seq, attention_mask=real[:, :seq], device=dev)
         for index, module in enumerate(modules):
             cache.update(keys, values, index)
@@ -226,21 +227,25 @@ def decode_setup(cfg: HfBenchConfig, batch: int, layers: int = 1, padded: bool =
     exact = prefilled(seq, prefill_q)  # memory at exactly `seq` tokens
     kv_bytes, formula = exact.memory_bytes(), kv_memory_formula(model, batch, seq, dtype)
     del exact
-    cache = prefilled(seq + cfg.decode_extra, prefill_q)  # room for the timed steps
+    caches = {"flexsparse": prefilled(seq + cfg.decode_extra, prefill_q)}  # room for the timed steps
+    if kernels_run_on(dev):  # the one-launch decode step beside the per-group calls
+        caches["flexsparse_one_launch"] = prefilled(seq + cfg.decode_extra, prefill_q, one_launch=True)
     del prefill_q
     _sync(dev)
 
     q1, k1, v1 = rand(batch, cfg.heads, 1, dim), rand(batch, cfg.kv_heads, 1, dim), rand(batch, cfg.kv_heads, 1, dim)
-    error = _check_first_step(cfg, cache, modules, keys, values, q1, k1, v1, real)
+    error = max(_check_first_step(cfg, cache, modules, keys, values, q1, k1, v1, real) for cache in caches.values())
 
-    def flexsparse_step():
-        if cache.get_seq_length(0) >= seq + cfg.decode_extra:
-            raise RuntimeError("the benchmark's cache is full: raise decode_extra")
-        tokens = cache.get_seq_length(0) + 1
-        mask = flexsparse_mask(batch, 1, tokens, attention_mask=real[:, :tokens] if padded else None, device=dev)
-        for index, module in enumerate(modules):
-            cache.update(k1, v1, index)
-            flexsparse_attention(module, q1, k1, v1, mask)
+    def decode_step(cache: SparseKVCache):
+        def step():
+            if cache.get_seq_length(0) >= seq + cfg.decode_extra:
+                raise RuntimeError("the benchmark's cache is full: raise decode_extra")
+            tokens = cache.get_seq_length(0) + 1
+            mask = flexsparse_mask(batch, 1, tokens, attention_mask=real[:, :tokens] if padded else None, device=dev)
+            for index, module in enumerate(modules):
+                cache.update(k1, v1, index)
+                flexsparse_attention(module, q1, k1, v1, mask)
+        return step
 
     full_heads, full_q = cfg.full_kv_heads, cfg.full_kv_heads * group
     folded_q = q1.view(batch, cfg.kv_heads, group, dim)  # the GQA group as query rows: no K/V expansion
@@ -249,7 +254,7 @@ def decode_setup(cfg: HfBenchConfig, batch: int, layers: int = 1, padded: bool =
     ring_v = torch.cat([values[:, full_heads:, :cfg.sink], values[:, full_heads:, -cfg.window:]], 2).contiguous()
     sdpa = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # the flash kernel
     timed = {
-        "flexsparse": flexsparse_step,
+        **{name: decode_step(cache) for name, cache in caches.items()},
         "sdpa_all_full": lambda: sdpa(q1, keys, values),
         "sdpa_all_full_folded": lambda: F.scaled_dot_product_attention(folded_q, keys, values),
         "ideal_two_sdpa": lambda: (sdpa(q1[:, :full_q], full_k, full_v), sdpa(q1[:, full_q:], ring_k, ring_v)),
@@ -263,8 +268,10 @@ def bench_decode_layer(cfg: HfBenchConfig, batch: int, layers: int = 1, padded: 
     """Per-layer decode step times (flexsparse divided by ``layers``), timed in turns, and the KV memory."""
     dev = torch.device(cfg.device)
     setup = decode_setup(cfg, batch, layers, padded)
+    per_layer = [name for name in setup.timed if name.startswith("flexsparse")]
     ms = in_turns(setup.timed, dev)
-    ms["flexsparse"] /= layers
+    for name in per_layer:
+        ms[name] /= layers
     result = dict(
         batch=batch, seq=setup.seq, layers_per_step=layers, left_padded=padded, ms=ms,
         speedup_vs_sdpa=ms["sdpa_all_full"] / ms["flexsparse"],
@@ -273,10 +280,13 @@ def bench_decode_layer(cfg: HfBenchConfig, batch: int, layers: int = 1, padded: 
         kv_bytes=setup.kv_bytes, kv_bytes_formula=setup.kv_bytes_formula, kv_bytes_all_full=setup.kv_bytes_all_full,
         kv_saved=setup.kv_bytes_all_full / setup.kv_bytes, first_step_error=setup.first_step_error,
     )
+    if "flexsparse_one_launch" in ms:
+        result["one_launch_speedup_vs_sdpa"] = ms["sdpa_all_full"] / ms["flexsparse_one_launch"]
     if dev.type == "cuda":  # GPU work alone (host overhead excluded): kernel time per call from the profiler
         try:
             kernel = {name: gpu_kernel_ms(fn) for name, fn in setup.timed.items()}
-            kernel["flexsparse"] /= layers
+            for name in per_layer:
+                kernel[name] /= layers
             result["gpu_kernel_ms"] = kernel
             result["gpu_kernel_speedup_vs_sdpa"] = kernel["sdpa_all_full"] / kernel["flexsparse"]
         except Exception as err:  # a diagnostic: its failure must not lose the timings
@@ -399,9 +409,13 @@ def _decode_line(row: dict) -> str:
             f"({row['layers_per_step']} per step): flexsparse {ms['flexsparse']:.3f} ms, all-full SDPA "
             f"{ms['sdpa_all_full']:.3f} ms ({row['speedup_vs_sdpa']:.2f}x), ideal two-SDPA {ms['ideal_two_sdpa']:.3f} "
             f"ms ({row['ideal_speedup_vs_sdpa']:.2f}x)")
+    if "flexsparse_one_launch" in ms:
+        line += f", one-launch step {ms['flexsparse_one_launch']:.3f} ms ({row['one_launch_speedup_vs_sdpa']:.2f}x)"
     if isinstance(kernel, dict):
         line += (f"; GPU kernels alone: flexsparse {kernel['flexsparse']:.3f} ms, SDPA {kernel['sdpa_all_full']:.3f} "
                  f"ms ({row['gpu_kernel_speedup_vs_sdpa']:.2f}x)")
+        if "flexsparse_one_launch" in kernel:
+            line += f", one-launch step {kernel['flexsparse_one_launch']:.3f} ms"
     return line + (f"; first step max |error| {row['first_step_error']:.1e}; KV {row['kv_bytes'] / 2**20:.1f} MiB (formula {row['kv_bytes_formula'] / 2**20:.1f}) vs "
                    f"{row['kv_bytes_all_full'] / 2**20:.1f} MiB all-full: {row['kv_saved']:.2f}x less")
 
