@@ -88,11 +88,17 @@ def test_kernel_fp32_matches_reference(group, splits):
 
 
 @kernel_test
-@pytest.mark.parametrize("dim", [32, 64, 128])
-def test_kernel_head_dims(dim):
+@pytest.mark.parametrize("dim", [8, 24, 32, 80, 96, 128])
+@pytest.mark.parametrize("splits", [1, 2])
+def test_kernel_head_dims(dim, splits):
+    """Powers of two and the head dims of real models that are not (80: Phi-2, 96: Phi-3), padded in registers;
+    the output's lanes are exactly the head dim's (a wider write would show in ``out``'s guard column)."""
     q, keys, values = inputs(1, 4, 2, 50, dim, seed=dim)
     lo, hi = bounds([(3, 47)])
-    assert_matches(ranged_decode_attention(q, keys, values, lo, hi, splits=2, block_n=16), q, keys, values, lo, hi)
+    wide = torch.full((1, 4, dim + 1), 7.0)
+    got = ranged_decode_attention(q, keys, values, lo, hi, out=wide[..., :dim], splits=splits, block_n=16)
+    assert_matches(got, q, keys, values, lo, hi)
+    assert torch.all(wide[..., dim] == 7.0)
 
 
 @kernel_test
@@ -198,8 +204,8 @@ def _args(**change):
         (dict(keys=torch.zeros(2, 2, 8, 16, dtype=torch.float16)), TypeError, "q's dtype"),
         (dict(keys=torch.zeros(3, 2, 8, 16), values=torch.zeros(3, 2, 8, 16)), ValueError, "q's batch 2"),
         (dict(keys=torch.zeros(2, 3, 8, 16), values=torch.zeros(2, 3, 8, 16)), ValueError, "multiple of keys"),
-        (dict(q=torch.zeros(2, 4, 24), keys=torch.zeros(2, 2, 8, 24), values=torch.zeros(2, 2, 8, 24)),
-         ValueError, "power of two"),
+        (dict(q=torch.zeros(2, 4, 264), keys=torch.zeros(2, 2, 8, 264), values=torch.zeros(2, 2, 8, 264)),
+         ValueError, r"head dim must be in \[1, 256\], got 264"),
         (dict(keys=torch.zeros(2, 2, 16, 8).transpose(2, 3)), ValueError, "contiguous last dimension"),
         (dict(lo=torch.zeros(2)), TypeError, "lo must be one of int32, int64"),
         (dict(hi=torch.zeros(3, dtype=torch.int32)), ValueError, r"hi must have shape \[2\]"),
@@ -328,6 +334,17 @@ def test_step_fp32_matches_reference(group_size, layout, splits):
 
 
 @kernel_test
+@pytest.mark.parametrize("dim", [8, 80])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_step_head_dims_that_are_not_powers_of_two(dim, splits):
+    """The new token is written with exactly the head dim's lanes (the slot's neighbours and the next row keep
+    their values) and attended like every other key."""
+    q, k_new, v_new, groups = step_inputs("two", 4, dim=dim, seed=dim)
+    reference = step_expected(q, k_new, v_new, groups)
+    assert_step_matches(decode_step_attention(q, k_new, v_new, groups, splits=splits, block_n=16), groups, reference)
+
+
+@kernel_test
 @pytest.mark.parametrize("batch", [1, 2])
 def test_step_batch_sizes(batch):
     q, k_new, v_new, groups = step_inputs("two", 4, batch=batch, index_dtype=torch.int32, seed=batch)
@@ -452,9 +469,9 @@ def _step_args(**change):
          r"groups\[1\].slot must have shape \[2\]"),
         (dict(**{"groups[1].hi": torch.zeros(2, dtype=torch.int64, device="meta")}), ValueError,
          r"groups\[1\].hi is on meta"),
-        (dict(q=torch.zeros(2, 4, 24), k_new=torch.zeros(2, 2, 24), v_new=torch.zeros(2, 2, 24),
-              **{f"groups[{i}].{n}": torch.zeros(2, 1, 4, 24) for i in (0, 1) for n in ("keys", "values")}),
-         ValueError, "power of two"),
+        (dict(q=torch.zeros(2, 4, 264), k_new=torch.zeros(2, 2, 264), v_new=torch.zeros(2, 2, 264),
+              **{f"groups[{i}].{n}": torch.zeros(2, 1, 4, 264) for i in (0, 1) for n in ("keys", "values")}),
+         ValueError, r"head dim must be in \[1, 256\]"),
         (dict(out=torch.zeros(2, 4, 8)), ValueError, "out must have q's shape"),
         (dict(out=torch.zeros(2, 4, 16, dtype=torch.float16)), TypeError, "out must be one of float32"),
         (dict(out=[0.0]), TypeError, "out must be a torch.Tensor"),
@@ -473,7 +490,7 @@ def test_step_reference_checks_its_arguments():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# GPU: bf16 at 131K slots, fp32 exactness at a real head dim, no host sync.
+# GPU: bf16 at 131K slots (head dims 128 and 96), fp32 exactness at a real head dim, no host sync.
 
 
 def _random_bounds(batch, capacity, seed):
@@ -488,10 +505,10 @@ def _random_bounds(batch, capacity, seed):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("batch", [1, 8])
-def test_gpu_bf16_long_ranges_against_float64(batch):
+@pytest.mark.parametrize("batch, dim", [(1, 128), (8, 128), (2, 96)])
+def test_gpu_bf16_long_ranges_against_float64(batch, dim):
     capacity = 131_072 + 77
-    q, keys, values = inputs(batch, 8, 2, capacity, 128, dtype=torch.bfloat16, seed=batch)
+    q, keys, values = inputs(batch, 8, 2, capacity, dim, dtype=torch.bfloat16, seed=batch)
     lo, hi = _random_bounds(batch, capacity, seed=batch)
     got = ranged_decode_attention(q, keys, values, lo, hi)
     assert torch.isfinite(got).all()

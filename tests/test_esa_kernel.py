@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("triton")
 
-from flexsparse.kernels.esa import esa_attention, esa_attention_reference  # noqa: E402
+from flexsparse.kernels.esa import esa_attention, esa_attention_reference, supports_head_dim  # noqa: E402
 from flexsparse.masks import ESA, Geometry  # noqa: E402
 from flexsparse.reference import attention as dense_reference  # noqa: E402
 
@@ -117,6 +117,10 @@ def test_bad_arguments(change, error, match):
 
 
 @pytest.mark.skipif(CUDA or INTERPRETED, reason="CPU without the interpreter only")
+def test_supported_head_dims():
+    assert [d for d in (8, 16, 64, 80, 96, 128, 256, 512) if supports_head_dim(d)] == [16, 64, 128, 256]
+
+
 def test_cpu_tensors_need_the_interpreter():
     with pytest.raises(ValueError, match="needs CUDA tensors"):
         esa_attention(torch.zeros(1, 2, 8, 16), torch.zeros(1, 2, 8, 16), torch.zeros(1, 2, 8, 16),

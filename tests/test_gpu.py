@@ -190,6 +190,17 @@ def test_decode_loop_compiles_once_per_bucket_and_padding_masks_never_recompile(
     torch.cuda.synchronize()
 
 
+def test_esa_layers_of_other_head_dims_stay_on_flex():
+    """The gather kernel takes power-of-two head dims; a layer with d = 96 (Phi-3) plans its ESA heads on flex."""
+    esa = {"esa": ESA(3, 8, 64, HEADS)}
+    attn = HybridAttention(HEADS, KV_HEADS, 96, esa, backend="flex")
+    q = torch.randn(1, HEADS, 256, 96, device="cuda")
+    k = torch.randn(1, KV_HEADS, 256, 96, device="cuda")
+    call = AttentionCall(q, k, k, 1.0, Geometry(HEADS, 256, device="cuda"), needs_grad=False,
+                         kv_heads=tuple(range(KV_HEADS)))
+    assert attn._planners["flex"].groups(call, (0,) * KV_HEADS)[0].executor.name != "esa"
+
+
 @pytest.mark.parametrize("padded", [False, True], ids=["contiguous", "left-padded"])
 def test_all_esa_layers_run_the_gather_kernel(padded):
     """plan="auto" sends an all-ESA layer to the Triton gather kernel: equal to flex, and to the reference."""

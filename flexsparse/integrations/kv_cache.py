@@ -24,7 +24,8 @@ all layers, none without a padding mask, and generate() syncs every step anyway)
   build a graph for every new length);
 * a left-padded prompt: row b's real tokens are the last ``real_b`` slots of a full buffer and the first
   ``min(real_b, capacity)`` slots of its ring, so each head attends one slot range per row, bounds on the device:
-  :func:`~flexsparse.kernels.decode.ranged_decode_attention` on CUDA, its PyTorch form on the CPU.
+  :func:`~flexsparse.kernels.decode.ranged_decode_attention` on CUDA (head dims up to 256), its PyTorch form
+  on the CPU.
 
 With ``SparseKVCache(model, one_launch_decode=True)``, where the decode kernels run (CUDA, or the Triton
 interpreter) and a layer's heads form at most two such groups of consecutive heads, the whole step is one call,
@@ -56,6 +57,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from flexsparse.integrations.forward_mask import ForwardMask
 from flexsparse.integrations.layer import CacheGroup, SparseAttentionLayer, sparse_layers
 from flexsparse.kernels.decode import (
+    MAX_HEAD_DIM,
     DecodeGroup,
     decode_step_attention,
     kernels_run_on,
@@ -168,7 +170,8 @@ class _GroupCache:
         it attends: the ranged decode kernel on CUDA (split over the slots, GQA without a K/V copy, no host sync),
         its PyTorch form elsewhere."""
         q_group = self.pick_q(q)[:, :, 0]
-        attend = ranged_decode_attention if q.is_cuda else ranged_decode_reference
+        kernel = q.is_cuda and q.shape[-1] <= MAX_HEAD_DIM
+        attend = ranged_decode_attention if kernel else ranged_decode_reference
         return attend(q_group, self.keys, self.values, lo, hi, scale=scale)[:, :, None]
 
     def attend_filled(self, q: Tensor, filled: int, scale: float | None) -> Tensor:
@@ -365,9 +368,11 @@ class SparseKVLayer(CacheLayerMixin):
         ranges = [group.q_index.slice for group in self.groups]
         self.heads_in_order = all(r is not None for r in ranges) and all(
             a.stop == b.start for a, b in zip(ranges, ranges[1:]))
-        self.one_launch_decode = one_launch_decode and len(self.groups) <= 2 and all(
+        fits_kernel = layer.attention.head_dim <= MAX_HEAD_DIM and len(self.groups) <= 2 and all(
             group.group.kind in ("full", "ring") and group.kv_index.slice is not None for group in self.groups)
-        """Whether a decode step runs as one kernel call (asked for; full and ring groups of consecutive heads)."""
+        self.one_launch_decode = one_launch_decode and fits_kernel
+        """Whether a decode step runs as one kernel call (asked for; at most two full or ring groups of consecutive
+        heads, a head dim the kernel takes)."""
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         self.batch, self.dtype, self.device = key_states.shape[0], key_states.dtype, key_states.device

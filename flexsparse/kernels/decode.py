@@ -71,9 +71,22 @@ KERNEL_CONFIG = {
 }
 """Launch settings of both entry points (part of the plan signature, so a benchmark can sweep them)."""
 
+MAX_HEAD_DIM = 256
+"""The largest head dim the kernels take (any smaller one: they pad it to a power of two >= 16 in registers)."""
+
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _dim_mask(dims, D: tl.constexpr, D_PAD: tl.constexpr):
+    """Which of the D_PAD lanes ``dims`` hold one of the head's D dims: a constant all-true mask when D is a power
+    of two (the compiler then drops the masks it is combined into)."""
+    if D_PAD == D:
+        return tl.full([D_PAD], 1, tl.int1)
+    else:
+        return dims < D
 
 
 @triton.jit
@@ -84,8 +97,8 @@ def _attend_chunk(
     stride_knb, stride_knh, stride_knd, stride_vnb, stride_vnh, stride_vnd,
     stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs, stride_lo, stride_hi, stride_slot,
     capacity, splits, stats_offset, scale_log2,
-    HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_NEW: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr,
+    HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, HAS_NEW: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Chunk ``split`` of ``splits`` of [LO[b], HI[b]) of one group's buffers K/V (head ``local_head``) for the
     GROUP query heads of the layer's KV head ``kv_head``: O [B, HEADS, D] when DIRECT, else partials into WS rows
@@ -99,12 +112,14 @@ def _attend_chunk(
         end = tl.minimum(start + chunk, hi)
 
         rows = tl.arange(0, G_PAD)
-        dims = tl.arange(0, D)
+        dims = tl.arange(0, D_PAD)  # lanes past D (a head dim that is not a power of two) load 0, store nothing
+        in_dim = _dim_mask(dims, D, D_PAD)
         cols = tl.arange(0, BLOCK_N)
         real = rows < GROUP  # padding rows (G < G_PAD) compute with q = 0 and are never stored
         head64 = (kv_head * GROUP + rows).to(tl.int64)
+        q_real = real[:, None] & in_dim[None, :]
         q = tl.load(Q + batch64 * stride_qb + head64[:, None] * stride_qh + dims[None, :] * stride_qd,
-                    mask=real[:, None], other=0.0)
+                    mask=q_real, other=0.0)
         k_head = K + batch64 * stride_kb + local_head.to(tl.int64) * stride_kh
         v_head = V + batch64 * stride_vb + local_head.to(tl.int64) * stride_vh
         first = start.to(tl.int64) + cols[:, None]
@@ -114,26 +129,26 @@ def _attend_chunk(
         if HAS_NEW:
             slot = tl.load(SLOT + batch64 * stride_slot).to(tl.int32)
             kv64 = kv_head.to(tl.int64)
-            k_new = tl.load(KN + batch64 * stride_knb + kv64 * stride_knh + dims * stride_knd)
-            v_new = tl.load(VN + batch64 * stride_vnb + kv64 * stride_vnh + dims * stride_vnd)
+            k_new = tl.load(KN + batch64 * stride_knb + kv64 * stride_knh + dims * stride_knd, mask=in_dim, other=0.0)
+            v_new = tl.load(VN + batch64 * stride_vnb + kv64 * stride_vnh + dims * stride_vnd, mask=in_dim, other=0.0)
             owner = split == 0
             if owner & (slot >= 0) & (slot < capacity):
-                tl.store(k_head + slot.to(tl.int64) * stride_ks + dims, k_new)
-                tl.store(v_head + slot.to(tl.int64) * stride_vs + dims, v_new)
+                tl.store(k_head + slot.to(tl.int64) * stride_ks + dims, k_new, mask=in_dim)
+                tl.store(v_head + slot.to(tl.int64) * stride_vs + dims, v_new, mask=in_dim)
             new_score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale_log2
             m_max = tl.where(owner, new_score, float("-inf"))  # the softmax state of the new key alone
             l_sum = tl.zeros([G_PAD], dtype=tl.float32) + tl.where(owner, 1.0, 0.0)
-            acc = tl.zeros([G_PAD, D], dtype=tl.float32) + tl.where(owner, v_new.to(tl.float32)[None, :], 0.0)
+            acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32) + tl.where(owner, v_new.to(tl.float32)[None, :], 0.0)
         else:
             m_max = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
             l_sum = tl.zeros([G_PAD], dtype=tl.float32)
-            acc = tl.zeros([G_PAD, D], dtype=tl.float32)
+            acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
         for n in range(start, end, BLOCK_N):
             inside = n + cols < end
             if HAS_NEW:
                 inside = inside & (n + cols != slot)  # its old content; the new key is in the state already
-            k = tl.load(k_ptrs, mask=inside[:, None], other=0.0)
-            v = tl.load(v_ptrs, mask=inside[:, None], other=0.0)
+            k = tl.load(k_ptrs, mask=inside[:, None] & in_dim[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=inside[:, None] & in_dim[None, :], other=0.0)
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [G_PAD, BLOCK_N]
             scores = tl.where(inside[None, :], scores, float("-inf"))
             m_new = tl.maximum(m_max, tl.max(scores, axis=1))
@@ -149,10 +164,10 @@ def _attend_chunk(
         if DIRECT:
             out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]  # an empty range: acc = 0, a zero row
             tl.store(O + batch64 * stride_ob + head64[:, None] * stride_oh + dims[None, :] * stride_od,
-                     out.to(O.dtype.element_ty), mask=real[:, None])
+                     out.to(O.dtype.element_ty), mask=q_real)
         else:
             row = (batch64 * HEADS + head64) * row_splits + split  # [G_PAD] partial rows
-            tl.store(WS + row[:, None] * D + dims[None, :], acc, mask=real[:, None])
+            tl.store(WS + row[:, None] * D + dims[None, :], acc, mask=q_real)
             tl.store(WS + stats_offset + 2 * row, m_max, mask=real)  # -inf for an empty chunk
             tl.store(WS + stats_offset + 2 * row + 1, l_sum, mask=real)
 
@@ -166,8 +181,8 @@ def _decode_split_kernel(
     stride_k2b, stride_k2h, stride_k2s, stride_v2b, stride_v2h, stride_v2s, stride_lo2, stride_hi2, stride_slot2,
     capacity1, splits1, capacity2, splits2, stats_offset, scale_log2,
     KV_HEADS: tl.constexpr, FIRST_KV_HEADS: tl.constexpr, HAS_SECOND: tl.constexpr, GROUP: tl.constexpr,
-    G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, HAS_NEW: tl.constexpr, DIRECT: tl.constexpr,
-    PRECISION: tl.constexpr,
+    G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, HAS_NEW: tl.constexpr,
+    DIRECT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Program (b * KV_HEADS + kv head, split): KV heads below FIRST_KV_HEADS read group 1 (K1, V1, ...), the
     others (with HAS_SECOND) group 2 as its heads ``kv head - FIRST_KV_HEADS``. See :func:`_attend_chunk`."""
@@ -186,7 +201,7 @@ def _decode_split_kernel(
             stride_knb, stride_knh, stride_knd, stride_vnb, stride_vnh, stride_vnd,
             stride_k2b, stride_k2h, stride_k2s, stride_v2b, stride_v2h, stride_v2s, stride_lo2, stride_hi2,
             stride_slot2, capacity2, splits2, stats_offset, scale_log2,
-            KV_HEADS * GROUP, GROUP, G_PAD, D, BLOCK_N, HAS_NEW, DIRECT, PRECISION)
+            KV_HEADS * GROUP, GROUP, G_PAD, D, D_PAD, BLOCK_N, HAS_NEW, DIRECT, PRECISION)
     else:
         _attend_chunk(
             Q, O, WS, KN, VN, K1, V1, LO1, HI1, SLOT1, batch64, kv_head, kv_head, split,
@@ -194,13 +209,13 @@ def _decode_split_kernel(
             stride_knb, stride_knh, stride_knd, stride_vnb, stride_vnh, stride_vnd,
             stride_k1b, stride_k1h, stride_k1s, stride_v1b, stride_v1h, stride_v1s, stride_lo1, stride_hi1,
             stride_slot1, capacity1, splits1, stats_offset, scale_log2,
-            KV_HEADS * GROUP, GROUP, G_PAD, D, BLOCK_N, HAS_NEW, DIRECT, PRECISION)
+            KV_HEADS * GROUP, GROUP, G_PAD, D, D_PAD, BLOCK_N, HAS_NEW, DIRECT, PRECISION)
 
 
 @triton.jit
 def _decode_combine_kernel(
     WS, O, stride_ob, stride_oh, stride_od, splits1, splits2, row_splits, stats_offset,
-    HEADS: tl.constexpr, FIRST_HEADS: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEADS: tl.constexpr, FIRST_HEADS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     """O[b, h] from the partials of (b, h) (``splits1`` of them for heads below FIRST_HEADS, else ``splits2``):
     sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s."""
@@ -210,7 +225,8 @@ def _decode_combine_kernel(
     splits = tl.where(head < FIRST_HEADS, splits1, splits2)
     first = pair.to(tl.int64) * row_splits
     offs = tl.arange(0, BLOCK_S)
-    dims = tl.arange(0, D)
+    dims = tl.arange(0, D_PAD)
+    in_dim = _dim_mask(dims, D, D_PAD)
     m_seen = tl.full([BLOCK_S], float("-inf"), dtype=tl.float32)
     for s0 in range(0, splits, BLOCK_S):
         m = tl.load(WS + stats_offset + 2 * (first + s0 + offs), mask=s0 + offs < splits, other=float("-inf"))
@@ -218,18 +234,18 @@ def _decode_combine_kernel(
     m_top = tl.max(m_seen, axis=0)
     m_top = tl.where(m_top > float("-inf"), m_top, 0.0)  # all splits empty: every weight below is 0
     l_seen = tl.zeros([BLOCK_S], dtype=tl.float32)
-    acc = tl.zeros([D], dtype=tl.float32)
+    acc = tl.zeros([D_PAD], dtype=tl.float32)
     for s0 in range(0, splits, BLOCK_S):
         row = first + s0 + offs
         ok = s0 + offs < splits
         weight = tl.math.exp2(tl.load(WS + stats_offset + 2 * row, mask=ok, other=float("-inf")) - m_top)
         l_seen += weight * tl.load(WS + stats_offset + 2 * row + 1, mask=ok, other=0.0)
-        part = tl.load(WS + row[:, None] * D + dims[None, :], mask=ok[:, None], other=0.0)
+        part = tl.load(WS + row[:, None] * D + dims[None, :], mask=ok[:, None] & in_dim[None, :], other=0.0)
         acc += tl.sum(weight[:, None] * part, axis=0)
     total = tl.sum(l_seen, axis=0)
     out = acc / tl.where(total > 0, total, 1.0)
     tl.store(O + batch64 * stride_ob + head.to(tl.int64) * stride_oh + dims * stride_od,
-             out.to(O.dtype.element_ty))
+             out.to(O.dtype.element_ty), mask=in_dim)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -279,9 +295,14 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _padded_dim(dim: int) -> int:
+    """The head dim as the kernels hold it: the next power of two, at least 16 (the tensor-core minimum)."""
+    return max(16, triton.next_power_of_2(dim))
+
+
 def _block_n(dim: int, dtype: torch.dtype) -> int:
     """Slots per K/V tile: ``KERNEL_CONFIG["tile_bytes"]`` per tile, a power of two in [16, 128]."""
-    slots = KERNEL_CONFIG["tile_bytes"] // (dim * dtype.itemsize)
+    slots = KERNEL_CONFIG["tile_bytes"] // (_padded_dim(dim) * dtype.itemsize)
     return max(16, min(128, triton.next_power_of_2(max(slots, 1))))
 
 
@@ -310,19 +331,21 @@ def _build_plan(q: Tensor, kv_heads: int, groups: list[tuple[int, int]], has_new
     group_size = heads // kv_heads
     split_options = dict(
         KV_HEADS=kv_heads, FIRST_KV_HEADS=first_heads, HAS_SECOND=len(groups) == 2, GROUP=group_size,
-        G_PAD=max(16, triton.next_power_of_2(group_size)), D=dim, BLOCK_N=block_n, HAS_NEW=has_new,
+        G_PAD=max(16, triton.next_power_of_2(group_size)), D=dim, D_PAD=_padded_dim(dim), BLOCK_N=block_n,
+        HAS_NEW=has_new,
         DIRECT=row_splits == 1, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=KERNEL_CONFIG["num_warps"], num_stages=KERNEL_CONFIG["num_stages"])
     workspace = None
     if row_splits > 1 and pairs:
         workspace = torch.empty(pairs * row_splits * (dim + 2), dtype=torch.float32, device=q.device)
-    block_s = min(triton.next_power_of_2(row_splits), max(1, KERNEL_CONFIG["combine_elements"] // dim))
+    block_s = min(triton.next_power_of_2(row_splits), max(1, KERNEL_CONFIG["combine_elements"] // _padded_dim(dim)))
     return _Plan(
         grid=(batch * kv_heads, row_splits) if pairs else None,
         scalars=(first_capacity, first_splits, second_capacity, second_splits, stats_offset, scale * _LOG2E),
         split_options=split_options, workspace=workspace, combine_grid=(pairs,),
         combine_scalars=(first_splits, second_splits, row_splits, stats_offset),
-        combine_options=dict(HEADS=heads, FIRST_HEADS=first_heads * group_size, D=dim, BLOCK_S=block_s,
+        combine_options=dict(HEADS=heads, FIRST_HEADS=first_heads * group_size, D=dim, D_PAD=_padded_dim(dim),
+                             BLOCK_S=block_s,
                              num_warps=KERNEL_CONFIG["combine_warps"]))
 
 
@@ -413,8 +436,8 @@ def _check_kernel_args(q: Tensor, out: object, scale: object, splits: object, bl
     """What the kernels need beyond the shapes: the head dim, out, the device; returns (scale, splits, block_n)
     checked."""
     dim = q.shape[2]
-    if dim < 16 or dim > 256 or dim & (dim - 1):
-        raise ValueError(f"q's head dim must be a power of two in [16, 256], got {dim}")
+    if not 1 <= dim <= MAX_HEAD_DIM:
+        raise ValueError(f"q's head dim must be in [1, {MAX_HEAD_DIM}], got {dim}")
     if out is not None:
         _check_tensor("out", out, 3, (q.dtype,))
         if out.shape != q.shape or out.device != q.device:
@@ -500,9 +523,9 @@ def ranged_decode_attention(q: Tensor, keys: Tensor, values: Tensor, lo: Tensor,
 
     q ``[B, Hq, d]`` (any strides, e.g. a view of ``[B, Hq, 1, d]`` or a slice of heads); keys/values
     ``[B, Hkv, C, d]`` (any strides with a contiguous last dim; C = the buffer's capacity), ``Hq = G * Hkv``
-    (query head h reads KV head ``h // G``); one dtype among float32/bfloat16/float16; d a power of two in
-    [16, 256]. lo/hi int32 or int64 ``[B]`` on q's device (any stride): the range is clamped to ``[0, C]``; an
-    empty range gives a zero row. ``scale`` defaults to ``d ** -0.5``.
+    (query head h reads KV head ``h // G``); one dtype among float32/bfloat16/float16; d in [1, 256] (padded
+    to a power of two >= 16 in registers). lo/hi int32 or int64 ``[B]`` on q's device (any stride): the range
+    is clamped to ``[0, C]``; an empty range gives a zero row. ``scale`` defaults to ``d ** -0.5``.
 
     Returns ``[B, Hq, d]`` in q's dtype, written into ``out`` when given (any strides, e.g. a head slice of a
     larger buffer). ``splits`` / ``block_n`` override the split count per (sequence, KV head) and the slots per
@@ -542,7 +565,7 @@ def decode_step_attention(q: Tensor, k_new: Tensor, v_new: Tensor, groups: Seque
     """One layer's decode step: write the new token into each group's cache, attend each group's slot ranges.
 
     q ``[B, Hq, d]``, k_new/v_new ``[B, Hkv, d]`` (any strides, e.g. views of ``[B, H, 1, d]``), ``Hq = G * Hkv``,
-    one dtype among float32/bfloat16/float16, d a power of two in [16, 256]. ``groups``: one or two
+    one dtype among float32/bfloat16/float16, d in [1, 256]. ``groups``: one or two
     :class:`DecodeGroup` (any order) whose KV heads cover ``0 .. Hkv - 1`` exactly once; query head h belongs to
     KV head ``h // G``. For each group, sequence b and KV head: ``keys[b, head, slot[b]] = k_new[b, kv_start +
     head]`` (values alike), then each of the head's G queries attends slots ``lo[b] <= s < hi[b]`` of the updated

@@ -784,7 +784,7 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, pattern: ESA, dtypes: tuple =
     if k.shape[0] != batch or k.shape[3] != dim:
         raise ValueError(f"k/v [B, H_kv, S_kv, d] must match q's batch {batch} and head_dim {dim}, "
                          f"got {list(k.shape)}")
-    if dim < 16 or dim > 256 or dim & (dim - 1):
+    if not supports_head_dim(dim):
         raise ValueError(f"head_dim must be a power of two in [16, 256], got {dim}")
     if k.shape[1] == 0 or heads % k.shape[1]:
         raise ValueError(f"q's heads ({heads}) must be a multiple of k/v's heads ({k.shape[1]})")
@@ -792,6 +792,11 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, pattern: ESA, dtypes: tuple =
         raise ValueError("k and v must hold at least one key (S_kv >= 1)")
     if pattern.num_heads != heads:
         raise ValueError(f"pattern was built for num_heads={pattern.num_heads}, q has {heads} heads")
+
+
+def supports_head_dim(dim: int) -> bool:
+    """Whether the kernels take this head dim: a power of two in [16, 256]."""
+    return 16 <= dim <= 256 and not dim & (dim - 1)
 
 
 def esa_attention(q: Tensor, k: Tensor, v: Tensor, pattern: ESA, scale: float | None = None, *,

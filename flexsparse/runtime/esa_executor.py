@@ -2,8 +2,8 @@
 
 FlexAttention is the wrong tool for ESA: its dilated keys touch 19-60% of the tiles, every one partial. The gather
 kernel reads each query's ``attn_length`` keys directly. It computes per-head shifts from the head's index in the
-layer, so it runs a layer whose heads are all ESA (the planner gives it only whole layers); mixed layers and CPU
-calls keep ESA heads on flex.
+layer, so it runs a layer whose heads are all ESA (the planner gives it only whole layers); mixed layers, CPU
+calls and head dims the kernel does not take (not a power of two in [16, 256]) keep ESA heads on flex.
 """
 
 from __future__ import annotations
@@ -34,7 +34,11 @@ class EsaExecutor(Executor):
         self.available = _triton_available()
 
     def accepts(self, pattern: Pattern, call: AttentionCall) -> bool:
-        return self.available and call.q.device.type == "cuda" and isinstance(pattern, ESA)
+        if not (self.available and call.q.device.type == "cuda" and isinstance(pattern, ESA)):
+            return False
+        from flexsparse.kernels.esa import supports_head_dim
+
+        return supports_head_dim(call.q.shape[-1])
 
     def run(self, call, patterns, modes, heads):
         from flexsparse.kernels.esa import esa_attention
