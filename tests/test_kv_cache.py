@@ -289,3 +289,24 @@ def test_decode_path_follows_the_padding_layout(layout, one_launch, monkeypatch)
     torch.testing.assert_close(torch.cat(steps, 1)[real], alone[:, 8:14][real], atol=1e-4, rtol=0)
     assert set(calls) == {layout}
     assert bool(step_calls) == (one_launch and layout != "other")
+
+
+def test_generate_with_a_one_launch_cache_passed_by_the_user(monkeypatch):
+    """generate() keeps a SparseKVCache the user passes (here with the one-launch decode step, in the Triton
+    interpreter): the same greedy tokens as the cache generate() builds, the step kernel called every step."""
+    import flexsparse.integrations.kv_cache as kv_cache
+
+    model = convert(tiny_model("llama"), PATTERNS, MIXED, backend="dense")
+    ids, mask = left_padded([13, 8])
+    expected = greedy(model, ids, mask, 12)
+    calls = []
+    step_kernel = kv_cache.decode_step_attention
+
+    def counted_step(*args, **kwargs):
+        calls.append(1)
+        return step_kernel(*args, **kwargs)
+
+    monkeypatch.setattr(kv_cache, "decode_step_attention", counted_step)
+    got = greedy(model, ids, mask, 12, past_key_values=SparseKVCache(model, one_launch_decode=True))
+    assert torch.equal(got, expected)
+    assert len(calls) == 11 * LAYERS  # every decode step of every layer (MIXED: at most two groups per layer)

@@ -10,7 +10,16 @@ import json
 import pytest
 import torch
 
-from flexsparse.integrations import SparseKVCache, convert, is_converted, load_config, revert, save_config
+from flexsparse.integrations import (
+    SparseKVCache,
+    convert,
+    fused_routers,
+    is_converted,
+    last_routings,
+    load_config,
+    revert,
+    save_config,
+)
 from flexsparse.masks import Causal, SinkWindow
 from flexsparse.routers import HeadRouter, LayerRouter
 from tests.hf_util import (
@@ -77,6 +86,31 @@ def test_batch_elements_are_routed_as_alone():
         forward(model, ids[row:row + 1, real])
         assert torch.equal(decisions(model)[0], batched[row])
     assert not torch.equal(batched[0], batched[1])
+
+
+@pytest.mark.parametrize("router", ["head", "layer"])
+def test_fused_routers_decide_as_the_torch_path(router):
+    """Inside fused_routers(model) every layer routes through the fused kernel (here in the Triton interpreter):
+    the same modes and logits as the torch path; outside it, the torch path again. Where the kernel cannot run
+    (gradients required) the forward raises, naming the layer."""
+    model = routed(router=router)
+    ids, mask = left_padded([12, 7], seed=3)
+    expected_logits, expected_modes = forward(model, ids, mask), decisions(model)
+    assert all(routing.decided_modes is None for routing in last_routings(model))
+    with fused_routers(model):
+        got_logits = forward(model, ids, mask)
+        assert all(routing.decided_modes is not None for routing in last_routings(model))
+        assert torch.equal(decisions(model), expected_modes)
+        torch.testing.assert_close(got_logits, expected_logits, atol=1e-5, rtol=0)
+        for p in model.model.layers[0].self_attn.flexsparse.router.parameters():
+            p.requires_grad_(True)
+        with pytest.raises(ValueError, match=r"layer 0 .*gradients are enabled and required"):
+            model(ids, attention_mask=mask)
+    forward(model, ids, mask)
+    assert all(routing.decided_modes is None for routing in last_routings(model))
+    with pytest.raises(TypeError, match="enabled must be a bool"):
+        with fused_routers(model, enabled=1):
+            pass
 
 
 def test_the_decisions_respond_to_the_router():

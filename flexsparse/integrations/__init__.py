@@ -4,6 +4,7 @@
 from flexsparse.integrations.kv_cache import SparseKVCache, kv_memory_formula
 from flexsparse.integrations.router_trainer import RouterTrainer
 from flexsparse.integrations.routing import (
+    fused_routers,
     last_routings,
     pooling_mask,
     routed_layers,
@@ -18,6 +19,7 @@ __all__ = [
     "RouterTrainer",
     "SparseKVCache",
     "convert",
+    "fused_routers",
     "is_converted",
     "kv_memory_formula",
     "last_routings",

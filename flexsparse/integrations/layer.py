@@ -34,17 +34,19 @@ GroupKind = Literal["full", "keep", "ring"]
 @dataclass
 class RouterSettings:
     """How a converted model's routers run, shared by its routed layers (set by
-    :func:`flexsparse.integrations.training` and :func:`flexsparse.integrations.pooling_mask`).
+    :func:`flexsparse.integrations.training`, :func:`flexsparse.integrations.pooling_mask` and
+    :func:`flexsparse.integrations.fused_routers`).
 
     ``tau``: Gumbel-softmax temperature in training; ``hard``: straight-through hard weights (False: soft);
     ``pool_mask``: bool ``[B, S]``, the tokens the routers pool in the next forwards (None: the padding mask);
-    ``generator``: for the Gumbel noise.
+    ``generator``: for the Gumbel noise; ``fused``: inference routes through the fused Triton kernel.
     """
 
     tau: float = 1.0
     hard: bool = True
     pool_mask: Tensor | None = None
     generator: torch.Generator | None = field(default=None, repr=False)
+    fused: bool = False
 
 
 @dataclass(frozen=True)

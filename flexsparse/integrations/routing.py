@@ -14,6 +14,8 @@ sequence's modes at prefill; decode steps reuse the decision.
   per-sequence modes ``[B, H_kv]`` (one HybridAttention call), or in training with gradients the straight-through
   mix of full and sparse outputs (:func:`~flexsparse.routers.routed_attention`). A forward with fewer queries than
   keys (decode with a cache) reuses the last prefill's modes: the router never sees decode tokens.
+* **Fused inference**: inside :func:`fused_routers`, eval-mode routing runs the fused Triton kernel (one launch
+  per layer instead of ~200 aten calls; opt-in until it has been timed on a GPU).
 * **Caches**: per-sequence modes need every key in every head, so routed models decode with a ``DynamicCache``
   (``generate()`` keeps the one it builds; :class:`~flexsparse.SparseKVCache` refuses routed models).
 """
@@ -174,8 +176,12 @@ def routed_layer_attention(layer: SparseAttentionLayer, query: Tensor, key: Tens
                              "call the hooked projection before attention)")
         settings = layer.settings
         boundary = forward_boundary(layer.router, states, mask, settings.pool_mask)
-        routing = layer.router.route(states, boundary=boundary, tau=settings.tau, hard=settings.hard,
-                                     generator=settings.generator)
+        fused = settings.fused and not layer.router.training  # training routes through torch (noise, gradients)
+        try:
+            routing = layer.router.route(states, boundary=boundary, tau=settings.tau, hard=settings.hard,
+                                         generator=settings.generator, fused=fused)
+        except ValueError as error:
+            raise ValueError(f"{where}: {error}") from None
         layer.routing = routing
         layer.prefill_modes = routing.modes(attn.num_kv_heads)
         return routed_attention(attn, query, key, value, routing, positions=positions, scale=scale)
@@ -235,6 +241,21 @@ def training(model: nn.Module, tau: float = 1.0, *, hard: bool = True,
         settings.tau, settings.hard, settings.generator = saved
         for module, was_training in modes.items():
             module.training = was_training
+
+
+@contextmanager
+def fused_routers(model: nn.Module, enabled: bool = True) -> Iterator[None]:
+    """Inside the block the routers of ``model`` decide in eval mode through the fused Triton kernel (CUDA, or the
+    interpreter): the same modes as the torch path. A forward where it cannot run (gradients required, no triton,
+    a CPU tensor without the interpreter) raises a ValueError naming the layer and the reason."""
+    _, settings = _settings(model, "fused_routers")
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
+    saved, settings.fused = settings.fused, enabled
+    try:
+        yield
+    finally:
+        settings.fused = saved
 
 
 @contextmanager
