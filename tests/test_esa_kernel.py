@@ -97,7 +97,10 @@ def test_gather_reference_matches_dense_reference(chunk):
         (dict(k=torch.zeros(1, 2, 8, 16, dtype=torch.float16)), TypeError, "share a dtype"),
         (dict(q=torch.zeros(1, 4, 8, 24), k=torch.zeros(1, 2, 8, 24), v=torch.zeros(1, 2, 8, 24)), ValueError,
          "power of two"),
-        (dict(pattern=ESA(0, 2, 4, 8)), ValueError, "num_heads=8"),
+        (dict(pattern=ESA(0, 2, 4, 2)), ValueError, r"head_offset \+ 4 <= 2"),
+        (dict(pattern=ESA(0, 2, 4, 8), head_offset=1), ValueError, "head_offset a multiple of 2"),
+        (dict(pattern=ESA(0, 2, 4, 8), head_offset=6), ValueError, r"head_offset \+ 4 <= 8"),
+        (dict(head_offset=-2), ValueError, "head_offset must be >= 0"),
         (dict(pattern="esa"), TypeError, "flexsparse.masks.ESA"),
         (dict(scale=-1.0), ValueError, "scale"),
         (dict(q_positions=torch.zeros(1, 8)), TypeError, "q_positions must be int32"),
@@ -116,11 +119,11 @@ def test_bad_arguments(change, error, match):
         esa_attention(**args)
 
 
-@pytest.mark.skipif(CUDA or INTERPRETED, reason="CPU without the interpreter only")
 def test_supported_head_dims():
     assert [d for d in (8, 16, 64, 80, 96, 128, 256, 512) if supports_head_dim(d)] == [16, 64, 128, 256]
 
 
+@pytest.mark.skipif(CUDA or INTERPRETED, reason="CPU without the interpreter only")
 def test_cpu_tensors_need_the_interpreter():
     with pytest.raises(ValueError, match="needs CUDA tensors"):
         esa_attention(torch.zeros(1, 2, 8, 16), torch.zeros(1, 2, 8, 16), torch.zeros(1, 2, 8, 16),
@@ -142,6 +145,73 @@ CASES = {  # batch, heads, kv_heads, q_len, kv_len, dim, attn_length, layers, la
     "odd heads (general tile loop)": (1, 3, 1, 33, 33, 16, 8, 4, 1),
     "group of 5, single layer": (1, 5, 1, 24, 30, 16, 4, 1, 0),
 }
+
+
+HEAD_SUBSETS = {  # the pattern's heads, head_offset, q heads, kv heads, q_len, kv_len
+    "last two groups of 8 heads": (8, 4, 4, 2, 33, 33),
+    "middle group of 6 heads, decode": (6, 2, 2, 1, 1, 40),
+    "heads 3-5 of 6, no GQA, chunk": (6, 3, 3, 3, 20, 30),
+}
+
+
+@kernel_test
+@pytest.mark.parametrize("case", HEAD_SUBSETS)
+def test_kernel_on_a_subset_of_the_patterns_heads(case):
+    """q holds heads head_offset.. of the layer (the rest of the layer runs on other executors): each head gets its
+    own shifts, as in the whole layer's mask; forward and backward against the float64 dense reference."""
+    pattern_heads, offset, heads, kv_heads, q_len, kv_len = HEAD_SUBSETS[case]
+    pattern = ESA(2, 4, 8, pattern_heads)
+    q, k, v = qkv(1, heads, kv_heads, q_len, kv_len, 16, seed=offset)
+    grad_out = torch.randn_like(q)
+    mask = pattern.dense(Geometry(pattern_heads, q_len, kv_len, device=DEVICE))[:, offset:offset + heads]
+    expected = float64(lambda a, b, c: dense_reference(a, b, c, mask), q, k, v, grad_out)
+    got = with_grads(lambda a, b, c: esa_attention(a, b, c, pattern, head_offset=offset), q, k, v, grad_out)
+    assert_close_all(got, expected, FP32_OUT_ATOL, FP32_GRAD_ATOL)
+    reference = esa_attention_reference(q.double(), k.double(), v.double(), pattern, head_offset=offset)
+    torch.testing.assert_close(reference, expected[0], atol=1e-12, rtol=0)
+
+
+@kernel_test
+@pytest.mark.parametrize("kv_heads_of_call", [(0, 1, 2, 3, 4, 5), (1, 2, 4, 5)], ids=["layer", "cache group"])
+def test_executor_runs_any_esa_heads_of_a_mixed_layer(kv_heads_of_call):
+    """The ESA executor on the ESA heads of a mixed layer (two ESA patterns, heads not all consecutive), for the
+    whole layer's call and for a cache group's subset of its KV heads: one kernel call per run of consecutive
+    heads of one pattern, each head with its own shifts, outputs in the selection's order; forward and backward
+    against the float64 dense reference of the layer's mask."""
+    from flexsparse.masks import Causal
+    from flexsparse.runtime.call import AttentionCall, GroupModes, HeadSelection
+    from flexsparse.runtime.esa_executor import EsaExecutor
+
+    layer_heads, group, q_len = 12, 2, 24
+    patterns = [Causal(), ESA(1, 4, 8, layer_heads), ESA(3, 4, 6, layer_heads)]
+    layer_modes = (1, 1, 0, 2, 1, 1)  # per KV head of the layer
+    call_modes = tuple(layer_modes[h] for h in kv_heads_of_call)
+    selected = tuple(i for i, m in enumerate(call_modes) if m != 0)
+    q, k, v = qkv(1, group * len(kv_heads_of_call), len(kv_heads_of_call), q_len, q_len, 16, seed=7)
+    grad_out_all = torch.randn_like(q)
+    q_rows = [i * group + g for i in selected for g in range(group)]
+    grad_out = grad_out_all[:, q_rows]
+
+    def executor(a, b, c):
+        call = AttentionCall(a, b, c, 16**-0.5, Geometry(layer_heads, q_len, device=DEVICE), needs_grad=True,
+                             kv_heads=kv_heads_of_call)
+        heads = HeadSelection.of(selected, call, 6)
+        modes = GroupModes(torch.empty(1, len(q_rows)), tuple(call_modes[i] for i in selected))
+        return EsaExecutor().run(call, patterns, modes, heads)
+
+    geometry = Geometry(layer_heads, q_len, device=DEVICE)
+    per_pattern = [p.dense(geometry).expand(-1, layer_heads, -1, -1) for p in patterns]  # [1, H, S, S] each
+    layer_mask = torch.cat([per_pattern[m][:, h * group:(h + 1) * group] for h, m in enumerate(layer_modes)], 1)
+    layer_q_rows = [kv_heads_of_call[i] * group + g for i in selected for g in range(group)]
+    mask = layer_mask[:, layer_q_rows]
+
+    def dense(a, b, c):
+        kv = torch.tensor(selected)
+        return dense_reference(a[:, q_rows], b[:, kv], c[:, kv], mask)
+
+    expected = float64(dense, q, k, v, grad_out)
+    got = with_grads(executor, q, k, v, grad_out)
+    assert_close_all(got, expected, FP32_OUT_ATOL, FP32_GRAD_ATOL)
 
 
 @kernel_test

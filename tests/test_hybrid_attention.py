@@ -268,15 +268,16 @@ def test_a_subset_of_kv_heads_equals_those_heads_of_the_whole_layer(backend):
         attn(q[:, :2], k[:, :2], v[:, :2], kv_heads=[3])
 
 
-def test_planner_gives_whole_layer_executors_only_whole_layers():
-    """An executor that needs every head (the ESA kernel) gets all-ESA layers; mixed layers keep ESA on flex."""
+def test_split_plan_sends_each_head_to_the_first_executor_that_accepts_it():
+    """A mixed layer: full heads to SDPA, ESA heads to the ESA kernel (any subset of the layer's heads, here KV
+    heads 1 and 3), the rest to the sparse executor; a cache group's subset of heads plans the same way."""
     from flexsparse.masks import ESA
     from flexsparse.runtime.call import AttentionCall
     from flexsparse.runtime.executors import Executor, SdpaExecutor
     from flexsparse.runtime.plan import Planner
 
-    class WholeLayer(Executor):
-        name, needs_all_heads = "whole", True
+    class EsaKernel(Executor):
+        name = "esa"
 
         def accepts(self, pattern, call):
             return isinstance(pattern, ESA)
@@ -284,14 +285,14 @@ def test_planner_gives_whole_layer_executors_only_whole_layers():
         def run(self, call, patterns, modes, heads):
             raise AssertionError("not run")
 
-    class Sparse(WholeLayer):
-        name, needs_all_heads = "sparse", False
+    class Sparse(EsaKernel):
+        name = "sparse"
 
-    patterns = [Causal(), ESA(0, 2, 4, 8)]
-    planner = Planner("split", patterns, 4, [SdpaExecutor(), WholeLayer()], Sparse())
+    patterns = [Causal(), ESA(0, 2, 4, 8), SinkWindow(2, 8)]
+    planner = Planner("split", patterns, 4, [SdpaExecutor(), EsaKernel()], Sparse())
     q, k = torch.empty(1, 8, 64, 16), torch.empty(1, 4, 64, 16)
     call = AttentionCall(q, k, k, 0.25, Geometry(8, 64), needs_grad=False, kv_heads=(0, 1, 2, 3))
-    assert [g.executor.name for g in planner.groups(call, (1, 1, 1, 1))] == ["whole"]
-    assert [g.executor.name for g in planner.groups(call, (0, 1, 0, 1))] == ["sdpa", "sparse"]
-    half = AttentionCall(q[:, :4], k[:, :2], k[:, :2], 0.25, Geometry(8, 64), needs_grad=False, kv_heads=(0, 1))
-    assert [g.executor.name for g in planner.groups(half, (1, 1))] == ["sparse"]
+    groups = planner.groups(call, (0, 1, 2, 1))
+    assert [(g.executor.name, g.heads.kv_heads) for g in groups] == [("sdpa", (0,)), ("esa", (1, 3)), ("sparse", (2,))]
+    half = AttentionCall(q[:, :4], k[:, :2], k[:, :2], 0.25, Geometry(8, 64), needs_grad=False, kv_heads=(1, 3))
+    assert [(g.executor.name, g.heads.kv_heads) for g in planner.groups(half, (1, 1))] == [("esa", (0, 1))]

@@ -291,8 +291,8 @@ def _esa_forward_kernel(
     Q, K, V, O, LSE, SORTED_POS, ORDER, KEY_SLOTS,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_ob, stride_oh, stride_os, stride_pos_b, stride_slots_b,
-    q_len, kv_len, span, first_pos, layer_weight, scale_log2,
-    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEADS: tl.constexpr, W: tl.constexpr,
+    q_len, kv_len, span, first_pos, layer_weight, scale_log2, head_offset,
+    NUM_HEADS: tl.constexpr, PATTERN_HEADS: tl.constexpr, GROUP: tl.constexpr, HEADS: tl.constexpr, W: tl.constexpr,
     LAYER_DEN: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, HAS_POSITIONS: tl.constexpr,
     HAS_SLOTS: tl.constexpr, WIDE: tl.constexpr, SAME_KV_STRIDE: tl.constexpr, STEP_ONE: tl.constexpr,
     LAZY_RESCALE: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,
@@ -316,13 +316,15 @@ def _esa_forward_kernel(
     if STEP_ONE:
         one_tile = consecutive  # a run-time choice per block with q_positions (padding, gaps)
     if one_tile:
-        acc, l_sum, m_max = _forward_slots(q, pos, real, head, head_ok, first_real, last_real, K_B, V_B, SLOTS_B,
-                                           stride_ks, stride_vs, kv_len, span, layer_weight, scale_log2, NUM_HEADS,
+        acc, l_sum, m_max = _forward_slots(q, pos, real, head + head_offset, head_ok, first_real, last_real, K_B,
+                                           V_B, SLOTS_B, stride_ks, stride_vs, kv_len, span, layer_weight,
+                                           scale_log2, PATTERN_HEADS,
                                            HEADS, W, LAYER_DEN, BM, D, HAS_SLOTS, WIDE, SAME_KV_STRIDE, True,
                                            LAZY_RESCALE, PRECISION, SPLIT)
     else:
-        acc, l_sum, m_max = _forward_slots(q, pos, real, head, head_ok, first_real, last_real, K_B, V_B, SLOTS_B,
-                                           stride_ks, stride_vs, kv_len, span, layer_weight, scale_log2, NUM_HEADS,
+        acc, l_sum, m_max = _forward_slots(q, pos, real, head + head_offset, head_ok, first_real, last_real, K_B,
+                                           V_B, SLOTS_B, stride_ks, stride_vs, kv_len, span, layer_weight,
+                                           scale_log2, PATTERN_HEADS,
                                            HEADS, W, LAYER_DEN, BM, D, HAS_SLOTS, WIDE, SAME_KV_STRIDE, False,
                                            LAZY_RESCALE, PRECISION, SPLIT)
 
@@ -341,8 +343,8 @@ def _esa_decode_kernel(
     Q, K, V, O, LSE, SORTED_POS, ORDER, KEY_SLOTS,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_ob, stride_oh, stride_os, stride_pos_b, stride_slots_b,
-    q_len, kv_len, span, first_pos, layer_weight, scale_log2,
-    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEADS: tl.constexpr, W: tl.constexpr,
+    q_len, kv_len, span, first_pos, layer_weight, scale_log2, head_offset,
+    NUM_HEADS: tl.constexpr, PATTERN_HEADS: tl.constexpr, GROUP: tl.constexpr, HEADS: tl.constexpr, W: tl.constexpr,
     LAYER_DEN: tl.constexpr, D: tl.constexpr, SLOTS: tl.constexpr, HAS_POSITIONS: tl.constexpr,
     HAS_SLOTS: tl.constexpr, WIDE: tl.constexpr, SAME_KV_STRIDE: tl.constexpr,
 ):
@@ -366,7 +368,7 @@ def _esa_decode_kernel(
     for j0 in range(0, W, SLOTS):
         j = j0 + tl.arange(0, SLOTS)
         key = _head_key(_slot_base(start, window, j, W)[None, :], _slot_base(start, window, j + 1, W)[None, :],
-                        head[:, None], NUM_HEADS)  # [HEADS, SLOTS]
+                        (head + head_offset)[:, None], PATTERN_HEADS)  # [HEADS, SLOTS]
         ok = live[:, None] & (j < W)[None, :] & (key <= pos)
         slot, present = _key_slots(key, ok, SLOTS_B, kv_len, span, HAS_SLOTS)
         row_k, row_v = _row_offsets(slot, stride_ks, stride_vs, WIDE, SAME_KV_STRIDE)
@@ -452,8 +454,8 @@ def _esa_backward_dq_kernel(
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_ob, stride_oh, stride_os, stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
     stride_pos_b, stride_slots_b,
-    q_len, kv_len, span, first_pos, layer_weight, scale_log2, sm_scale,
-    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEADS: tl.constexpr, W: tl.constexpr,
+    q_len, kv_len, span, first_pos, layer_weight, scale_log2, head_offset, sm_scale,
+    NUM_HEADS: tl.constexpr, PATTERN_HEADS: tl.constexpr, GROUP: tl.constexpr, HEADS: tl.constexpr, W: tl.constexpr,
     LAYER_DEN: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, HAS_POSITIONS: tl.constexpr,
     HAS_SLOTS: tl.constexpr, WIDE: tl.constexpr, SAME_KV_STRIDE: tl.constexpr, STEP_ONE: tl.constexpr,
     PRECISION: tl.constexpr, SPLIT: tl.constexpr,
@@ -487,12 +489,14 @@ def _esa_backward_dq_kernel(
     if STEP_ONE:
         one_tile = consecutive
     if one_tile:
-        dq = _dq_slots(q, do, lse, delta, pos, rows_ok, head, head_ok, first_real, last_real, K_B, V_B, SLOTS_B,
-                       stride_ks, stride_vs, kv_len, span, layer_weight, scale_log2, NUM_HEADS, HEADS, W, LAYER_DEN,
+        dq = _dq_slots(q, do, lse, delta, pos, rows_ok, head + head_offset, head_ok, first_real, last_real, K_B,
+                       V_B, SLOTS_B, stride_ks, stride_vs, kv_len, span, layer_weight, scale_log2, PATTERN_HEADS,
+                       HEADS, W, LAYER_DEN,
                        BM, D, HAS_SLOTS, WIDE, SAME_KV_STRIDE, True, PRECISION, SPLIT)
     else:
-        dq = _dq_slots(q, do, lse, delta, pos, rows_ok, head, head_ok, first_real, last_real, K_B, V_B, SLOTS_B,
-                       stride_ks, stride_vs, kv_len, span, layer_weight, scale_log2, NUM_HEADS, HEADS, W, LAYER_DEN,
+        dq = _dq_slots(q, do, lse, delta, pos, rows_ok, head + head_offset, head_ok, first_real, last_real, K_B,
+                       V_B, SLOTS_B, stride_ks, stride_vs, kv_len, span, layer_weight, scale_log2, PATTERN_HEADS,
+                       HEADS, W, LAYER_DEN,
                        BM, D, HAS_SLOTS, WIDE, SAME_KV_STRIDE, False, PRECISION, SPLIT)
 
     tl.store(DQ + batch64 * stride_dqb + at_head * stride_dqh + at_row * stride_dqs + at_dim,
@@ -540,8 +544,9 @@ def _esa_backward_dkdv_kernel(
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_dob, stride_doh, stride_dos, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs,
     stride_pos_b, stride_slots_b,
-    q_len, kv_len, span, first_pos, layer_weight, scale_log2, sm_scale, search_steps,
-    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, W: tl.constexpr, LAYER_DEN: tl.constexpr, D: tl.constexpr,
+    q_len, kv_len, span, first_pos, layer_weight, scale_log2, head_offset, sm_scale, search_steps,
+    NUM_HEADS: tl.constexpr, PATTERN_HEADS: tl.constexpr, GROUP: tl.constexpr, W: tl.constexpr,
+    LAYER_DEN: tl.constexpr, D: tl.constexpr,
     W_POW2: tl.constexpr, GROUP_POW2: tl.constexpr, BN: tl.constexpr, BQ: tl.constexpr, HAS_POSITIONS: tl.constexpr,
     HAS_SLOTS: tl.constexpr, WIDE: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,
 ):
@@ -564,17 +569,18 @@ def _esa_backward_dkdv_kernel(
     dv = tl.zeros([BN, D], dtype=tl.float32)
     slots = tl.arange(0, W_POW2)
     for g in range(GROUP):
-        head = kv_head * GROUP + g
+        head = kv_head * GROUP + g  # in the tensors; the pattern's head is head + head_offset
         head64 = head.to(tl.int64)
+        pattern_head = head + head_offset
         Q_H = Q + batch64 * stride_qb + head64 * stride_qh
         DO_H = DO + batch64 * stride_dob + head64 * stride_doh
         STAT_H = (batch64 * NUM_HEADS + head64) * q_len
         # per slot, the rows whose key lies in this block: [first_rows[j], end_rows[j]) (binary searches)
-        first_rows = _first_row_with_key_at_least(first_key, slots, head, batch, q_len, span, first_pos,
-                                                  layer_weight, search_steps, SORTED_POS, stride_pos_b, NUM_HEADS,
+        first_rows = _first_row_with_key_at_least(first_key, slots, pattern_head, batch, q_len, span, first_pos,
+                                                  layer_weight, search_steps, SORTED_POS, stride_pos_b, PATTERN_HEADS,
                                                   W, LAYER_DEN, HAS_POSITIONS)
-        end_rows = _first_row_with_key_at_least(first_key + BN, slots, head, batch, q_len, span, first_pos,
-                                                layer_weight, search_steps, SORTED_POS, stride_pos_b, NUM_HEADS, W,
+        end_rows = _first_row_with_key_at_least(first_key + BN, slots, pattern_head, batch, q_len, span, first_pos,
+                                                layer_weight, search_steps, SORTED_POS, stride_pos_b, PATTERN_HEADS, W,
                                                 LAYER_DEN, HAS_POSITIONS)
         for j in range(W):
             at_j = tl.full([1], j, tl.int32)
@@ -585,8 +591,8 @@ def _esa_backward_dkdv_kernel(
                 row, pos, real = _query_rows(r, batch, q_len, span, first_pos, SORTED_POS, ORDER, stride_pos_b,
                                              HAS_POSITIONS)
                 start, window = _start_and_window(pos, layer_weight, W, LAYER_DEN)
-                key = _head_key(_slot_base(start, window, j, W), _slot_base(start, window, j + 1, W), head,
-                                NUM_HEADS)
+                key = _head_key(_slot_base(start, window, j, W), _slot_base(start, window, j + 1, W), pattern_head,
+                                PATTERN_HEADS)
                 ok = real & (r < r_end) & (key <= pos)
                 select = ((key[None, :] - first_key) == cols[:, None]) & ok[None, :] & present[:, None]
                 if WIDE:
@@ -617,7 +623,8 @@ def _esa_backward_dkdv_kernel(
 class _Launch:
     """Everything the kernels need besides q, k, v: sizes, the index rule's constants and position tensors."""
 
-    num_heads: int
+    num_heads: int  # the pattern's heads (the index rule's H)
+    head_offset: int  # the pattern's head of q's head 0
     group: int
     attn_length: int
     layer_den: int
@@ -645,7 +652,8 @@ class _Launch:
         return sorted_pos, order, slots, stride_pos, stride_slots
 
     def rule_args(self) -> tuple:
-        return self.q_len, self.kv_len, self.span, self.first_pos, self.layer_weight, self.scale * _LOG2E
+        return (self.q_len, self.kv_len, self.span, self.first_pos, self.layer_weight, self.scale * _LOG2E,
+                self.head_offset)
 
     def heads_per_program(self) -> int:
         chosen = KERNEL_CONFIG["heads_per_program"] or self.group
@@ -673,7 +681,8 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, launch: _Launch) -> tuple[Tensor, 
     lse = torch.empty(batch, heads, q_len, dtype=torch.float32, device=q.device)
     per_program = launch.heads_per_program()
     programs = batch * (heads // launch.group) * triton.cdiv(launch.group, per_program)
-    common = dict(NUM_HEADS=heads, GROUP=launch.group, HEADS=per_program, W=launch.attn_length,
+    common = dict(NUM_HEADS=heads, PATTERN_HEADS=launch.num_heads, GROUP=launch.group, HEADS=per_program,
+                  W=launch.attn_length,
                   LAYER_DEN=launch.layer_den, D=dim, HAS_POSITIONS=launch.sorted_pos is not None,
                   HAS_SLOTS=launch.key_slots is not None, **_row_offset_kinds(k, v))
     sorted_pos, order, slots, stride_pos, stride_slots = launch.position_args(q.device)
@@ -700,7 +709,8 @@ def _backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
     per_program = launch.heads_per_program()
     kv_heads = heads // launch.group
     programs = batch * kv_heads * triton.cdiv(launch.group, per_program)
-    common = dict(NUM_HEADS=heads, GROUP=launch.group, W=launch.attn_length, LAYER_DEN=launch.layer_den, D=dim,
+    common = dict(NUM_HEADS=heads, PATTERN_HEADS=launch.num_heads, GROUP=launch.group, W=launch.attn_length,
+                  LAYER_DEN=launch.layer_den, D=dim,
                   HAS_POSITIONS=launch.sorted_pos is not None, HAS_SLOTS=launch.key_slots is not None,
                   PRECISION=launch.precision, SPLIT=launch.split)
     offsets = _row_offset_kinds(k, v)
@@ -762,7 +772,9 @@ def _check_position_tensor(name: str, t: Tensor | None, batch: int, length: int 
         raise ValueError(f"{name} is on {t.device}, q is on {device}")
 
 
-def _check_inputs(q: Tensor, k: Tensor, v: Tensor, pattern: ESA, dtypes: tuple = _SUPPORTED_DTYPES) -> None:
+def _check_inputs(q: Tensor, k: Tensor, v: Tensor, pattern: ESA, head_offset: object,
+                  dtypes: tuple = _SUPPORTED_DTYPES) -> int:
+    """Raises on bad inputs; returns head_offset checked."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -790,8 +802,12 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, pattern: ESA, dtypes: tuple =
         raise ValueError(f"q's heads ({heads}) must be a multiple of k/v's heads ({k.shape[1]})")
     if k.shape[2] == 0:
         raise ValueError("k and v must hold at least one key (S_kv >= 1)")
-    if pattern.num_heads != heads:
-        raise ValueError(f"pattern was built for num_heads={pattern.num_heads}, q has {heads} heads")
+    head_offset = as_int("head_offset", head_offset, minimum=0)
+    if head_offset % (heads // k.shape[1]) or head_offset + heads > pattern.num_heads:
+        raise ValueError(f"q's {heads} heads from head_offset={head_offset} must be whole KV groups of the "
+                         f"pattern's num_heads={pattern.num_heads} heads (head_offset a multiple of "
+                         f"{heads // k.shape[1]}, head_offset + {heads} <= {pattern.num_heads})")
+    return head_offset
 
 
 def supports_head_dim(dim: int) -> bool:
@@ -801,11 +817,13 @@ def supports_head_dim(dim: int) -> bool:
 
 def esa_attention(q: Tensor, k: Tensor, v: Tensor, pattern: ESA, scale: float | None = None, *,
                   q_positions: Tensor | None = None, key_slots: Tensor | None = None,
-                  deterministic: bool = False) -> Tensor:
+                  deterministic: bool = False, head_offset: int = 0) -> Tensor:
     """ESA attention ``[B, H, S_q, d]`` (q's dtype), differentiable in q, k and v.
 
     q ``[B, H, S_q, d]``, k/v ``[B, H_kv, S_kv, d]`` (H a multiple of H_kv; any strides with a contiguous last
-    dim), d a power of two in [16, 256], float32/bfloat16/float16. ``pattern.num_heads`` must be H.
+    dim), d a power of two in [16, 256], float32/bfloat16/float16. q's heads are the pattern's heads
+    ``head_offset .. head_offset + H - 1`` (default: all ``pattern.num_heads`` of them); whole KV groups, so
+    ``head_offset`` is a multiple of ``H / H_kv`` (the other heads of a layer may run elsewhere).
     ``q_positions`` int32 ``[B or 1, S_q]``: token positions of the query rows (default ``S_kv - S_q + i``), -1
     for padding (output row 0, no gradient). ``key_slots`` int32 ``[B or 1, span]``: key position p of batch b is
     ``k[b, :, key_slots[b, p]]`` (default: slot p); slots outside ``[0, S_kv)`` mark absent keys. A query at
@@ -813,7 +831,7 @@ def esa_attention(q: Tensor, k: Tensor, v: Tensor, pattern: ESA, scale: float | 
     ``[0, span)`` count as padding. For gradients, distinct positions must map to distinct slots.
     ``deterministic``: accepted for the executor interface; every path is deterministic (no atomics).
     """
-    _check_inputs(q, k, v, pattern)
+    head_offset = _check_inputs(q, k, v, pattern, head_offset)
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     batch, heads, q_len, dim = q.shape
@@ -824,8 +842,8 @@ def esa_attention(q: Tensor, k: Tensor, v: Tensor, pattern: ESA, scale: float | 
     if q_positions is None and q_len > kv_len:
         raise ValueError(f"without q_positions, S_q ({q_len}) must not exceed S_kv ({kv_len})")
     span = kv_len if key_slots is None else key_slots.shape[1]
-    w, layers = pattern.attn_length, pattern.num_layers
-    if 2 * (max(w, span) + 1) * max(w, heads, layers) >= 2**31:
+    w, layers, pattern_heads = pattern.attn_length, pattern.num_layers, pattern.num_heads
+    if 2 * (max(w, span) + 1) * max(w, pattern_heads, layers) >= 2**31:
         raise ValueError(f"key positions ({span}) x max(attn_length, num_heads, num_layers) is too large for "
                          "the kernels' int32 index arithmetic")
     if q.device.type != "cuda" and not triton.knobs.runtime.interpret:
@@ -838,11 +856,12 @@ def esa_attention(q: Tensor, k: Tensor, v: Tensor, pattern: ESA, scale: float | 
         sorted_pos, sort_order = torch.sort(q_positions, dim=1, stable=True)
         order = sort_order.to(torch.int32)
     launch = _Launch(
-        num_heads=heads, group=heads // k.shape[1], attn_length=w, layer_den=max(layers - 1, 1),
+        num_heads=pattern_heads, head_offset=head_offset, group=heads // k.shape[1], attn_length=w,
+        layer_den=max(layers - 1, 1),
         layer_weight=max(layers - 1, 1) - pattern.layer_idx, scale=scale, q_len=q_len, kv_len=kv_len, span=span,
         first_pos=kv_len - q_len, sorted_pos=sorted_pos, order=order,
         key_slots=None if key_slots is None else key_slots.contiguous(),
-        step_one=heads % 2 == 0 or heads == 1,
+        step_one=pattern_heads % 2 == 0 or pattern_heads == 1,
         precision="ieee" if q.dtype == torch.float32 else "tf32", split=q.dtype != torch.float32,
     )
     return _EsaAttention.apply(q, k, v, launch)
@@ -850,13 +869,13 @@ def esa_attention(q: Tensor, k: Tensor, v: Tensor, pattern: ESA, scale: float | 
 
 def esa_attention_reference(q: Tensor, k: Tensor, v: Tensor, pattern: ESA, scale: float | None = None, *,
                             q_positions: Tensor | None = None, key_slots: Tensor | None = None,
-                            chunk: int = 1024) -> Tensor:
+                            chunk: int = 1024, head_offset: int = 0) -> Tensor:
     """The same function as :func:`esa_attention` in plain PyTorch (any device, differentiable).
 
     Gathers each query's w keys, ``chunk`` queries at a time: O(B H S_q w d) time, O(H chunk w d) memory. Computes
     in q's dtype (float64 accepted here: pass float64 inputs for a high-precision reference).
     """
-    _check_inputs(q, k, v, pattern, dtypes=_SUPPORTED_DTYPES + (torch.float64,))
+    head_offset = _check_inputs(q, k, v, pattern, head_offset, dtypes=_SUPPORTED_DTYPES + (torch.float64,))
     batch, heads, q_len, dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     scale = dim**-0.5 if scale is None else as_float("scale", scale, positive=True)
@@ -874,7 +893,7 @@ def esa_attention_reference(q: Tensor, k: Tensor, v: Tensor, pattern: ESA, scale
         for first in range(0, q_len, chunk):
             pos = positions[b, first:first + chunk]
             real = (pos >= 0) & (pos < span)
-            index = pattern.indices(torch.where(real, pos, 0))  # [H, n, w]
+            index = pattern.indices(torch.where(real, pos, 0))[head_offset:head_offset + heads]  # [H, n, w]
             ok = real[None, :, None] & (index <= pos[None, :, None])
             if key_slots is None:
                 slot = index

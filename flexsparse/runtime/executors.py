@@ -25,8 +25,6 @@ class Executor(ABC):
     """Runs the heads of one group of a layer's plan."""
 
     name: str
-    needs_all_heads: bool = False
-    """Runs only groups that hold every head of the layer (the planner sends partial groups elsewhere)."""
 
     def accepts(self, pattern: Pattern, call: AttentionCall) -> bool:
         """Whether this executor can run ``pattern`` for this call (default: any pattern)."""

@@ -87,10 +87,6 @@ class Planner:
         for mode in host_modes:
             pattern = self.patterns[mode]
             owner.append(next((e for e in self.specialised if e.accepts(pattern, call)), self.sparse))
-        for executor in set(owner):
-            if executor.needs_all_heads and (any(e is not executor for e in owner)
-                                              or len(call.kv_heads) != self.num_kv_heads):
-                owner = [self.sparse if e is executor else e for e in owner]
         if self.kind == "auto":
             moved = sum(e is not self.sparse for e in owner)
             if moved and moved < len(owner) and call.geometry.is_contiguous and not split_pays(call, moved):
