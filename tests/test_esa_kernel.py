@@ -368,3 +368,40 @@ def test_gpu_decode_and_chunks_against_float64(q_len):
     got = with_grads(lambda a, b, c: esa_attention(a, b, c, pattern), q, k, v, grad_out)
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, expected):
         assert _rel(a, b) < 1e-2, (name, _rel(a, b))
+
+
+@kernel_test
+def test_executor_in_a_converted_model_decoding_with_the_sparse_cache(monkeypatch):
+    """A converted tiny Llama whose layers mix full, sink+window and two ESA patterns, on the split plan with the
+    ESA executor (accepted here on CPU, in the interpreter): prefill and teacher-forced decode of a left-padded
+    batch through the sparse KV cache (ESA heads in bucketed buffers) equal one forward of the dense reference."""
+    pytest.importorskip("transformers")
+    from flexsparse.integrations import SparseKVCache, convert
+    from flexsparse.masks import Causal, SinkWindow
+    from flexsparse.runtime.esa_executor import EsaExecutor
+    from tests.hf_util import left_padded, tiny_model
+
+    kernel_calls = []
+    run = EsaExecutor.run
+
+    def counted_run(self, call, *args):
+        kernel_calls.append(call.q.shape[2])
+        return run(self, call, *args)
+
+    monkeypatch.setattr(EsaExecutor, "accepts", lambda self, pattern, call: isinstance(pattern, ESA))
+    monkeypatch.setattr(EsaExecutor, "run", counted_run)
+    patterns = {"full": Causal(), "ssa": SinkWindow(2, 6), "esa": ESA(0, 3, 4, 4), "esa2": ESA(2, 3, 4, 4)}
+    modes = [["full", "esa"], ["esa", "ssa"], ["esa2", "esa"]]
+    model = convert(tiny_model("llama"), patterns, modes, backend="flex", plan="split", block_size=16)
+    dense = convert(tiny_model("llama"), patterns, modes, backend="dense")  # the same random weights
+    ids, mask = left_padded([14, 9])
+    with torch.no_grad():
+        cache, pieces = SparseKVCache(model, max_length=ids.shape[1]), []
+        for start, stop in [(0, 9)] + [(t, t + 1) for t in range(9, ids.shape[1])]:
+            positions = (mask[:, :stop].cumsum(-1) - 1).clamp(min=0)[:, start:stop]
+            pieces.append(model(ids[:, start:stop], attention_mask=mask[:, :stop], position_ids=positions,
+                                past_key_values=cache).logits)
+        assert kernel_calls.count(9) == 3 and kernel_calls.count(1) == 3 * (ids.shape[1] - 9)
+        expected = dense(ids, attention_mask=mask).logits
+    real = mask.bool()
+    torch.testing.assert_close(torch.cat(pieces, 1)[real], expected[real], atol=1e-4, rtol=0)
