@@ -190,20 +190,19 @@ def test_decode_loop_compiles_once_per_bucket_and_padding_masks_never_recompile(
     torch.cuda.synchronize()
 
 
-@pytest.mark.parametrize("padded", [False, True], ids=["contiguous", "left-padded"])
-def test_mixed_layer_runs_esa_heads_on_the_gather_kernel(padded):
-    """Full heads on SDPA, ESA heads (KV heads 1 and 3) on the gather kernel, sink+window heads on flex, in one
-    layer: forward and backward against the float64 reference."""
-    patterns = {"full": Causal(), "esa": ESA(3, 8, 64, HEADS), "ssa": SinkWindow(16, 256)}
-    attn = HybridAttention(HEADS, KV_HEADS, DIM, patterns, ["full", "esa", "ssa", "esa"], backend="flex",
-                           plan="split")
-    q, k, v, mask, _ = padded_inputs([1800, 900], 2048, torch.bfloat16, seed=6)
+def _planned_executors(attn, q, k, v, modes):
+    """(executor name, KV heads) of each group the flex planner makes for a contiguous call of these modes."""
+    call = AttentionCall(q, k, v, 1.0, Geometry(HEADS, q.shape[2], device="cuda"), needs_grad=True,
+                         kv_heads=tuple(range(KV_HEADS)))
+    return [(g.executor.name, g.heads.kv_heads) for g in attn._planners["flex"].groups(call, modes)]
+
+
+def _assert_esa_layer_matches_reference(attn, seed, padded):
+    """bf16 forward and backward of a 2-sequence batch (left-padded or not) against the float64 reference;
+    returns the output and the inputs."""
+    q, k, v, mask, _ = padded_inputs([1800, 900], 2048, torch.bfloat16, seed=seed)
     mask = mask if padded else None
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    call = AttentionCall(q, k, v, 1.0, Geometry(HEADS, 2048, device="cuda"), needs_grad=True,
-                         kv_heads=tuple(range(KV_HEADS)))
-    groups = attn._planners["flex"].groups(call, (0, 1, 2, 1))
-    assert [(g.executor.name, g.heads.kv_heads) for g in groups][:2] == [("sdpa", (0,)), ("esa", (1, 3))]
     out = attn(q, k, v, key_padding_mask=mask)
     grad_out = torch.randn_like(out)
     out.backward(grad_out)
@@ -214,6 +213,19 @@ def test_mixed_layer_runs_esa_heads_on_the_gather_kernel(padded):
     assert_near(out, expected, out_tol, "output")
     for name, a, b in (("dq", q, q2), ("dk", k, k2), ("dv", v, v2)):
         assert_near(a.grad, b.grad, grad_tol, name)
+    return out.detach(), q.detach(), k.detach(), v.detach(), mask
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["contiguous", "left-padded"])
+def test_mixed_layer_runs_esa_heads_on_the_gather_kernel(padded):
+    """Full heads on SDPA, ESA heads (KV heads 1 and 3) on the gather kernel, sink+window heads on flex, in one
+    layer: forward and backward against the float64 reference."""
+    patterns = {"full": Causal(), "esa": ESA(3, 8, 64, HEADS), "ssa": SinkWindow(16, 256)}
+    attn = HybridAttention(HEADS, KV_HEADS, DIM, patterns, ["full", "esa", "ssa", "esa"], backend="flex",
+                           plan="split")
+    q, k, v, _, _ = padded_inputs([2048], 2048, torch.bfloat16)
+    assert _planned_executors(attn, q, k, v, (0, 1, 2, 1))[:2] == [("sdpa", (0,)), ("esa", (1, 3))]
+    _assert_esa_layer_matches_reference(attn, 6, padded)
 
 
 def test_esa_layers_of_other_head_dims_stay_on_flex():
@@ -233,20 +245,7 @@ def test_all_esa_layers_run_the_gather_kernel(padded):
     esa = {"esa": ESA(3, 8, 64, HEADS)}
     kernel = HybridAttention(HEADS, KV_HEADS, DIM, esa, backend="flex")
     flex = HybridAttention(HEADS, KV_HEADS, DIM, esa, backend="flex", plan="fused")
-    q, k, v, mask, _ = padded_inputs([1800, 900], 2048, torch.bfloat16, seed=5)
-    mask = mask if padded else None
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
-    call = AttentionCall(q, k, v, 1.0, Geometry(HEADS, 2048, device="cuda"), needs_grad=True,
-                         kv_heads=tuple(range(KV_HEADS)))
-    assert kernel._planners["flex"].groups(call, (0,) * KV_HEADS)[0].executor.name == "esa"
-    out = kernel(q, k, v, key_padding_mask=mask)
-    grad_out = torch.randn_like(out)
-    out.backward(grad_out)
-    q2, k2, v2 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    expected = reference(q2, k2, v2, kernel.reference_mask(q.detach(), k.detach(), key_padding_mask=mask))
-    expected.backward(grad_out.double())
-    out_tol, grad_tol = TOLERANCE[torch.bfloat16]
-    assert_near(out, expected, out_tol, "output")
-    for name, a, b in (("dq", q, q2), ("dk", k, k2), ("dv", v, v2)):
-        assert_near(a.grad, b.grad, grad_tol, name)
-    assert_near(out.detach(), flex(q.detach(), k.detach(), v.detach(), key_padding_mask=mask), out_tol, "vs flex")
+    q, k, v, _, _ = padded_inputs([2048], 2048, torch.bfloat16)
+    assert _planned_executors(kernel, q, k, v, (0,) * KV_HEADS)[0][0] == "esa"
+    out, q, k, v, mask = _assert_esa_layer_matches_reference(kernel, 5, padded)
+    assert_near(out, flex(q, k, v, key_padding_mask=mask), TOLERANCE[torch.bfloat16][0], "vs flex")
