@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flexsparse.attention import run_flex
 from flexsparse.masks import BlockTable, Causal, Geometry
 from flexsparse.masks.xa_selection import estimate_and_select, select_blocks
+from flexsparse.runtime.compiled import run_flex
 from flexsparse.synthetic import synthetic_attention_inputs
 
 pytestmark = pytest.mark.gpu
