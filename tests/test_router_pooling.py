@@ -5,7 +5,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flexsparse.routers import boundary_pool
+from flexsparse.routers import boundary_pool, boundary_positions
 
 
 def reference_pool(states, mask, pool):
@@ -152,3 +152,14 @@ def test_bad_input():
         boundary_pool(states, torch.ones(2, 10))
     with pytest.raises(ValueError, match="S >= 1"):
         boundary_pool(torch.randn(2, 0, 2, 4))
+
+
+@pytest.mark.gpu
+def test_a_mask_on_cuda_pools_with_device_given_as_plain_cuda():
+    """``device="cuda"`` names the mask's ``cuda:0``: the two must compare equal, not raise."""
+    mask = torch.ones(2, 300, dtype=torch.bool, device="cuda")
+    mask[1, :40] = False
+    boundary = boundary_positions(mask, 2, 300, 100, "cuda")
+    expected = boundary_positions(mask.cpu(), 2, 300, 100, "cpu")
+    assert torch.equal(boundary.positions.cpu(), expected.positions)
+    assert torch.equal(boundary.weights.cpu(), expected.weights)

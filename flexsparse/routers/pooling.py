@@ -84,6 +84,7 @@ def boundary_positions(key_padding_mask: Tensor | None, batch: int, seq: int, po
         raise ValueError("boundary_positions needs a device when key_padding_mask is None")
     device = torch.device(getattr(key_padding_mask, "device", "cpu") if device is None else device)
     step = torch.arange(pool, device=device)
+    device = step.device  # "cuda" resolved to "cuda:0", so that it compares equal to the mask's device
     if key_padding_mask is None:
         count = torch.full((batch, 1), seq, device=device)
         ranks = torch.cat([step, seq - pool + step])[None].expand(batch, 2 * pool)
