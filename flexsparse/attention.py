@@ -58,13 +58,25 @@ def _as_pattern_dict(patterns: Mapping[str, Pattern] | Pattern) -> OrderedDict[s
     return OrderedDict(patterns)
 
 
-def _output_like(largest: Tensor, num_heads: int) -> Tensor:
-    """An empty ``[B, H, S_q, d]`` output whose memory layout (dimension order) is that of the largest group's
-    result, so that the largest copy into it is a straight copy, not a transpose."""
+def _assemble(results: list[tuple[object, Tensor]], num_heads: int) -> Tensor:
+    """The groups' results ``[B, h_g, S_q, d]`` written into one ``[B, H, S_q, d]`` output at their query heads.
+
+    The buffer takes the memory layout (dimension order) of the largest result, so that the largest copy is a
+    straight copy, not a transpose. The copies go into the buffer itself, not into a permuted view of it: autograd
+    rejects an ``index_copy_`` into a view after a slice assignment into it."""
+    largest = max((r for _, r in results), key=lambda r: r.shape[1])
     order = sorted(range(4), key=lambda dim: -largest.stride(dim))  # outermost dimension first
     shape = list(largest.shape)
     shape[1] = num_heads
     buffer = largest.new_empty([shape[dim] for dim in order])
+    head_dim = order.index(1)
+    for group, result in results:
+        result = result.permute(order)
+        where = group.heads.q_index
+        if isinstance(where, slice):
+            buffer.narrow(head_dim, where.start, where.stop - where.start).copy_(result)
+        else:
+            buffer.index_copy_(head_dim, where, result)
     return buffer.permute([order.index(dim) for dim in range(4)])
 
 
@@ -362,13 +374,7 @@ class HybridAttention(nn.Module):
         results = [(group, group.executor.run(call, patterns, GroupModes(head_modes[:, group.heads.q_index],
                                                                           group.host_modes), group.heads))
                    for group in groups]
-        out = _output_like(max((r for _, r in results), key=lambda r: r.shape[1]), q.shape[1])
-        for group, result in results:
-            if isinstance(group.heads.q_index, slice):
-                out[:, group.heads.q_index] = result
-            else:
-                out.index_copy_(1, group.heads.q_index, result)
-        return out
+        return _assemble(results, q.shape[1])
 
     def reference_mask(self, q: Tensor, k: Tensor, modes: Tensor | None = None, *,
                        key_padding_mask: Tensor | None = None, positions: Positions | None = None) -> Tensor:
