@@ -184,7 +184,7 @@ def test_cache_errors():
     fresh.update(key, key, 1)
     with pytest.raises(ValueError, match="other keys or values than the sparse KV cache's update returned"):
         flexsparse_attention(layer, torch.zeros(1, 4, 1, HEAD_DIM), key.clone(), key, None)
-    with pytest.raises(TypeError, match="one_launch_decode must be a bool"):
+    with pytest.raises(TypeError, match="one_launch_decode must be a bool or None"):
         SparseKVCache(model, one_launch_decode="yes")
 
 
@@ -249,13 +249,14 @@ def test_qwen3_8b_like_cache_at_128k_is_3_8x_smaller():
     assert all_full / cache.memory_bytes() == pytest.approx(3.81, abs=0.005)
 
 
-@pytest.mark.parametrize("one_launch", [True, False])
+@pytest.mark.parametrize("one_launch", [True, False, None], ids=["one-launch", "per-group", "default"])
 @pytest.mark.parametrize("layout", ["none", "left", "other"])
 def test_decode_path_follows_the_padding_layout(layout, one_launch, monkeypatch):
     """Full and ring heads decode without masks while the cache holds no padding (SDPA over the filled slots) or
     a left-padded prompt (the ranged kernel, one slot range per sequence), and through position masks for other
     padding; the logits equal the uncached model's in every case (the rings wrap around during the steps), with
-    the one-launch step kernel (here in the Triton interpreter) and with a call per group."""
+    the one-launch step kernel (here in the Triton interpreter) and with a call per group. The default (None) runs
+    the step kernel on CUDA only, so on the CPU it takes the per-group path even under the interpreter."""
     import flexsparse.integrations.kv_cache as kv_cache
 
     calls = []
@@ -288,7 +289,7 @@ def test_decode_path_follows_the_padding_layout(layout, one_launch, monkeypatch)
     real = mask[:, 8:14].bool()
     torch.testing.assert_close(torch.cat(steps, 1)[real], alone[:, 8:14][real], atol=1e-4, rtol=0)
     assert set(calls) == {layout}
-    assert bool(step_calls) == (one_launch and layout != "other")
+    assert bool(step_calls) == (one_launch is True and layout != "other")
 
 
 def test_generate_with_a_one_launch_cache_passed_by_the_user(monkeypatch):

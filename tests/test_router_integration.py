@@ -91,8 +91,8 @@ def test_batch_elements_are_routed_as_alone():
 @pytest.mark.parametrize("router", ["head", "layer"])
 def test_fused_routers_decide_as_the_torch_path(router):
     """Inside fused_routers(model) every layer routes through the fused kernel (here in the Triton interpreter):
-    the same modes and logits as the torch path; outside it, the torch path again. Where the kernel cannot run
-    (gradients required) the forward raises, naming the layer."""
+    the same modes and logits as the torch path; outside it, on the CPU, the torch path again. Where the kernel
+    cannot run (gradients required) the forward raises, naming the layer."""
     model = routed(router=router)
     ids, mask = left_padded([12, 7], seed=3)
     expected_logits, expected_modes = forward(model, ids, mask), decisions(model)

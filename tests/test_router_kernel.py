@@ -254,14 +254,19 @@ def test_workspace_counters_reset_and_grow():
             torch.testing.assert_close(logits, router(states), atol=1e-4, rtol=0)
 
 
-def test_fused_path_is_opt_in_and_refuses_training():
+def test_fused_path_is_the_cuda_default_and_refuses_training():
+    """fused=None (default): the kernel on CUDA where it can run, else torch (the CPU, gradients, training);
+    fused=True raises where it cannot run; fused=False is always torch."""
     router = make_router("head", 16, pool=2)
     states = torch.randn(2, 6, 3, 16).to(DEVICE)
+    on_cuda = states.device.type == "cuda"
     with torch.no_grad():
-        assert router.route(states).decided_modes is None  # the torch path unless fused=True
+        assert (router.route(states).decided_modes is not None) == on_cuda
+        assert router.route(states, fused=False).decided_modes is None
         assert router.route(states, fused=True).decided_modes is not None
     with pytest.raises(ValueError, match="gradients"):
         router.route(states, fused=True)  # gradients enabled and the weights require them
+    assert router.route(states).decided_modes is None  # the default falls back to torch
     router.train()
     with torch.no_grad(), pytest.raises(ValueError, match="training"):
         router.route(states, fused=True)

@@ -39,14 +39,15 @@ class RouterSettings:
 
     ``tau``: Gumbel-softmax temperature in training; ``hard``: straight-through hard weights (False: soft);
     ``pool_mask``: bool ``[B, S]``, the tokens the routers pool in the next forwards (None: the padding mask);
-    ``generator``: for the Gumbel noise; ``fused``: inference routes through the fused Triton kernel.
+    ``generator``: for the Gumbel noise; ``fused``: inference through the fused Triton kernel (None: on CUDA where
+    it can run; True: always, raising where it cannot; False: never).
     """
 
     tau: float = 1.0
     hard: bool = True
     pool_mask: Tensor | None = None
     generator: torch.Generator | None = field(default=None, repr=False)
-    fused: bool = False
+    fused: bool | None = None
 
 
 @dataclass(frozen=True)
