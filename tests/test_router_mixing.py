@@ -135,3 +135,31 @@ def test_bad_input():
         mix_full_sparse(attn, q, k, v, Routing(weights, weights, 0, 5))
     with pytest.raises(TypeError, match="attn must be"):
         mix_full_sparse(torch.nn.Identity(), q, k, v, hard_routing(torch.zeros(2, 2)))
+
+
+@pytest.mark.gpu
+def test_cuda_training_mix_runs_flex_forward_and_backward():
+    """The training path on the GPU: bf16, full heads on SDPA and sink+window heads on compiled flex, forward and
+    backward, against the float64 dense path of the same mix (soft weights, so both outputs get gradients)."""
+    heads, kv_heads, seq, dim = 8, 4, 1024, 64
+    patterns = {"full": Causal(), "ssa": SinkWindow(sink=16, window=128)}
+    flex = HybridAttention(heads, kv_heads, dim, patterns, backend="flex")
+    dense = HybridAttention(heads, kv_heads, dim, patterns, backend="dense")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    make = lambda h: torch.randn(2, h, seq, dim, device="cuda", generator=gen)
+    inputs = [make(heads), make(kv_heads), make(kv_heads)]
+    sparse = torch.rand(2, kv_heads, device="cuda", generator=gen)
+    upstream = torch.randn(2, heads, seq, dim, device="cuda", generator=gen)
+
+    def run(attn, dtype, weight_dtype):
+        q, k, v = (t.to(dtype).requires_grad_() for t in inputs)
+        weights = torch.stack([1 - sparse, sparse], -1).to(weight_dtype).requires_grad_()
+        out = mix_full_sparse(attn, q, k, v, Routing(torch.zeros_like(weights), weights, 0, 1))
+        (out.double() * upstream.double()).sum().backward()
+        return out, q.grad, k.grad, v.grad, weights.grad
+
+    got, expected = run(flex, torch.bfloat16, torch.float32), run(dense, torch.float64, torch.float64)
+    for name, a, b in zip(("output", "dq", "dk", "dv"), got[:4], expected[:4]):
+        scale = b.abs().max().item()
+        assert (a.double() - b).abs().max().item() <= 2e-2 * scale, name
+    torch.testing.assert_close(got[4].double(), expected[4], atol=5e-2 * expected[4].abs().max().item(), rtol=0)
