@@ -2,8 +2,8 @@
 end-to-end generate() is ``python -m flexsparse.tools.bench_hf``).
 
 One decode step of one layer at 32K cached tokens (Qwen3-8B-like attention, bf16, rho = 0.75): flexsparse's
-attention function with its sparse KV cache, all-full SDPA over the whole cache, and the ideal hybrid (two SDPA
-calls on pre-split caches); and generate() on a small Llama-shaped model, flexsparse against sdpa + DynamicCache.
+attention function with its sparse KV cache (the default one-launch step, and the per-group calls), all-full SDPA
+over the whole cache, and the ideal hybrid (two SDPA calls on pre-split caches); and generate() on a small Llama-shaped model, flexsparse against sdpa + DynamicCache.
 Each round is one synchronised call (latency, host overhead included).
 
     pytest bench/test_hf_bench.py --benchmark-only --benchmark-group-by=param:batch
@@ -35,7 +35,7 @@ def _timed(benchmark, fn, **info):
     benchmark.pedantic(run, rounds=20, warmup_rounds=3)
 
 
-@pytest.mark.parametrize("name", ["flexsparse", "sdpa_all_full", "ideal_two_sdpa"])
+@pytest.mark.parametrize("name", ["flexsparse", "flexsparse_per_group", "sdpa_all_full", "ideal_two_sdpa"])
 def test_decode_step(benchmark, setup, name):
     _timed(benchmark, setup.timed[name], batch=setup.batch, seq=setup.seq, kv_bytes=setup.kv_bytes,
            kv_bytes_all_full=setup.kv_bytes_all_full)

@@ -153,8 +153,10 @@ def llama_from_config(cfg: HfBenchConfig, layers: int, intermediate: int, vocab:
 
 @dataclass
 class DecodeSetup:
-    """What the decode benchmark times: ``timed`` callables (one decode step each; "flexsparse" runs
-    ``layers`` layers) and the sparse cache's memory at ``seq`` tokens."""
+    """What the decode benchmark times: ``timed`` callables (one decode step each; the "flexsparse..." ones run
+    ``layers`` layers: "flexsparse" the cache's default decode path, "flexsparse_per_group" or
+    "flexsparse_one_launch" the other one where it differs and runs) and the sparse cache's memory at ``seq``
+    tokens."""
 
     batch: int
     seq: int
@@ -216,7 +218,7 @@ def decode_setup(cfg: HfBenchConfig, batch: int, layers: int = 1, padded: bool =
         for b in range(batch):
             real[b, :(b * 997) % min(4096, seq // 2)] = False
 
-    def prefilled(max_length: int, q, one_launch: bool = False) -> SparseKVCache:
+    def prefilled(max_length: int, q, one_launch: bool | None = None) -> SparseKVCache:
         cache = SparseKVCache(model, max_length=max_length, one_launch_decode=one_launch)
         mask = flexsparse_mask(batch, seq, seq, attention_mask=real[:, :seq], device=dev)
         for index, module in enumerate(modules):
@@ -227,8 +229,10 @@ def decode_setup(cfg: HfBenchConfig, batch: int, layers: int = 1, padded: bool =
     exact = prefilled(seq, prefill_q)  # memory at exactly `seq` tokens
     kv_bytes, formula = exact.memory_bytes(), kv_memory_formula(model, batch, seq, dtype)
     del exact
-    caches = {"flexsparse": prefilled(seq + cfg.decode_extra, prefill_q)}  # room for the timed steps
-    if kernels_run_on(dev):  # the one-launch decode step beside the per-group calls
+    caches = {"flexsparse": prefilled(seq + cfg.decode_extra, prefill_q)}  # the default; room for the timed steps
+    if dev.type == "cuda":  # the default is the one-launch step: time the per-group calls beside it
+        caches["flexsparse_per_group"] = prefilled(seq + cfg.decode_extra, prefill_q, one_launch=False)
+    elif kernels_run_on(dev):  # the interpreter: the one-launch step beside the default per-group calls
         caches["flexsparse_one_launch"] = prefilled(seq + cfg.decode_extra, prefill_q, one_launch=True)
     del prefill_q
     _sync(dev)
@@ -280,8 +284,9 @@ def bench_decode_layer(cfg: HfBenchConfig, batch: int, layers: int = 1, padded: 
         kv_bytes=setup.kv_bytes, kv_bytes_formula=setup.kv_bytes_formula, kv_bytes_all_full=setup.kv_bytes_all_full,
         kv_saved=setup.kv_bytes_all_full / setup.kv_bytes, first_step_error=setup.first_step_error,
     )
-    if "flexsparse_one_launch" in ms:
-        result["one_launch_speedup_vs_sdpa"] = ms["sdpa_all_full"] / ms["flexsparse_one_launch"]
+    for path in ("per_group", "one_launch"):
+        if f"flexsparse_{path}" in ms:
+            result[f"{path}_speedup_vs_sdpa"] = ms["sdpa_all_full"] / ms[f"flexsparse_{path}"]
     if dev.type == "cuda":  # GPU work alone (host overhead excluded): kernel time per call from the profiler
         try:
             kernel = {name: gpu_kernel_ms(fn) for name, fn in setup.timed.items()}
@@ -409,13 +414,15 @@ def _decode_line(row: dict) -> str:
             f"({row['layers_per_step']} per step): flexsparse {ms['flexsparse']:.3f} ms, all-full SDPA "
             f"{ms['sdpa_all_full']:.3f} ms ({row['speedup_vs_sdpa']:.2f}x), ideal two-SDPA {ms['ideal_two_sdpa']:.3f} "
             f"ms ({row['ideal_speedup_vs_sdpa']:.2f}x)")
-    if "flexsparse_one_launch" in ms:
-        line += f", one-launch step {ms['flexsparse_one_launch']:.3f} ms ({row['one_launch_speedup_vs_sdpa']:.2f}x)"
+    other = next((path for path in ("per_group", "one_launch") if f"flexsparse_{path}" in ms), None)
+    if other is not None:  # the decode path that is not the default, timed beside it
+        line += (f", {other.replace('_', '-')} {ms['flexsparse_' + other]:.3f} ms "
+                 f"({row[other + '_speedup_vs_sdpa']:.2f}x)")
     if isinstance(kernel, dict):
         line += (f"; GPU kernels alone: flexsparse {kernel['flexsparse']:.3f} ms, SDPA {kernel['sdpa_all_full']:.3f} "
                  f"ms ({row['gpu_kernel_speedup_vs_sdpa']:.2f}x)")
-        if "flexsparse_one_launch" in kernel:
-            line += f", one-launch step {kernel['flexsparse_one_launch']:.3f} ms"
+        if other is not None:
+            line += f", {other.replace('_', '-')} {kernel['flexsparse_' + other]:.3f} ms"
     return line + (f"; first step max |error| {row['first_step_error']:.1e}; KV {row['kv_bytes'] / 2**20:.1f} MiB (formula {row['kv_bytes_formula'] / 2**20:.1f}) vs "
                    f"{row['kv_bytes_all_full'] / 2**20:.1f} MiB all-full: {row['kv_saved']:.2f}x less")
 
