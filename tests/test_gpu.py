@@ -140,6 +140,12 @@ def test_padded_forward_and_backward_match_reference(dtype):
     attn = HybridAttention(HEADS, KV_HEADS, DIM, PATTERNS, ["full", "ssa", "esa", "xa"], backend="flex",
                            plan="split")
     q, k, v, mask, _ = padded_inputs([1000, 430], 1024, dtype, seed=1)
+    assert_forward_backward_match_reference(attn, q, k, v, mask)
+
+
+def assert_forward_backward_match_reference(attn, q, k, v, mask):
+    """attn's output and q/k/v gradients (random upstream gradient) against the float64 reference, within the
+    inputs' dtype's tolerances; returns the output."""
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     out = attn(q, k, v, key_padding_mask=mask)
     grad_out = torch.randn_like(out)
@@ -147,10 +153,11 @@ def test_padded_forward_and_backward_match_reference(dtype):
     q2, k2, v2 = (t.detach().double().requires_grad_() for t in (q, k, v))
     expected = reference(q2, k2, v2, attn.reference_mask(q.detach(), k.detach(), key_padding_mask=mask))
     expected.backward(grad_out.double())
-    out_tol, grad_tol = TOLERANCE[dtype]
+    out_tol, grad_tol = TOLERANCE[q.dtype]
     assert_near(out, expected, out_tol, "output")
     for name, a, b in (("dq", q, q2), ("dk", k, k2), ("dv", v, v2)):
         assert_near(a.grad, b.grad, grad_tol, name)
+    return out
 
 
 @pytest.mark.parametrize("q_len", [1, 300])
@@ -202,17 +209,7 @@ def _assert_esa_layer_matches_reference(attn, seed, padded):
     returns the output and the inputs."""
     q, k, v, mask, _ = padded_inputs([1800, 900], 2048, torch.bfloat16, seed=seed)
     mask = mask if padded else None
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
-    out = attn(q, k, v, key_padding_mask=mask)
-    grad_out = torch.randn_like(out)
-    out.backward(grad_out)
-    q2, k2, v2 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    expected = reference(q2, k2, v2, attn.reference_mask(q.detach(), k.detach(), key_padding_mask=mask))
-    expected.backward(grad_out.double())
-    out_tol, grad_tol = TOLERANCE[torch.bfloat16]
-    assert_near(out, expected, out_tol, "output")
-    for name, a, b in (("dq", q, q2), ("dk", k, k2), ("dv", v, v2)):
-        assert_near(a.grad, b.grad, grad_tol, name)
+    out = assert_forward_backward_match_reference(attn, q, k, v, mask)
     return out.detach(), q.detach(), k.detach(), v.detach(), mask
 
 
