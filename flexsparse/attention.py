@@ -25,7 +25,7 @@ from flexsparse.runtime.call import AttentionCall, GroupModes
 from flexsparse.runtime.esa_executor import EsaExecutor
 from flexsparse.runtime.executors import DenseExecutor, SdpaExecutor
 from flexsparse.runtime.flex import FlexExecutor
-from flexsparse.runtime.plan import PLAN_KINDS, PlanKind, Planner
+from flexsparse.runtime.plan import PLAN_KINDS, HeadGroup, PlanKind, Planner
 from flexsparse.validation import as_float, as_int
 
 Backend = Literal["auto", "flex", "flex_eager", "dense"]
@@ -58,7 +58,7 @@ def _as_pattern_dict(patterns: Mapping[str, Pattern] | Pattern) -> OrderedDict[s
     return OrderedDict(patterns)
 
 
-def _assemble(results: list[tuple[object, Tensor]], num_heads: int) -> Tensor:
+def _assemble(results: list[tuple[HeadGroup, Tensor]], num_heads: int) -> Tensor:
     """The groups' results ``[B, h_g, S_q, d]`` written into one ``[B, H, S_q, d]`` output at their query heads.
 
     The buffer takes the memory layout (dimension order) of the largest result, so that the largest copy is a

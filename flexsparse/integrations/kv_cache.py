@@ -436,6 +436,7 @@ class SparseKVLayer(CacheLayerMixin):
         return out
 
     def _one_launch_on(self, device: torch.device) -> bool:
+        """Whether this layer's decode steps on ``device`` run as one kernel call (see ``one_launch_decode``)."""
         if self.one_launch_decode is None:
             return device.type == "cuda"
         return self.one_launch_decode and kernels_run_on(device)
