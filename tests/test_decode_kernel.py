@@ -592,3 +592,87 @@ def test_gpu_step_makes_no_host_sync(splits):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert_step_matches(out, groups, reference, atol=2e-2)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# DecodeStep: a step prepared once for a loop over the same buffers.
+
+
+def _next_step(groups, step, gen, q, k_new, v_new):
+    """Step ``step`` after the first: new q/k_new/v_new and bounds of the same layouts, the same buffers."""
+    full, ring = groups
+    index = lambda value: torch.tensor([value] * q.shape[0], device=DEVICE)
+    groups = [dataclasses.replace(full, hi=index(61 + step), slot=index(60 + step), lo=index(9)),
+              dataclasses.replace(ring, lo=index(0), hi=index(12), slot=index(step))]
+    return (*(torch.randn(*t.shape, generator=gen).to(DEVICE) for t in (q, k_new, v_new)), groups)
+
+
+@kernel_test
+def test_prepared_step_runs_a_loop_of_steps_like_decode_step_attention():
+    q, k_new, v_new, groups = step_inputs("two", 4, batch=2, seed=31)
+    reference = step_expected(q, k_new, v_new, groups, scale=0.2)
+    step = decode.DecodeStep(q, k_new, v_new, groups, 0.2, splits=3, block_n=16)
+    assert_step_matches(step(q, k_new, v_new, groups), groups, reference)
+    gen = torch.Generator().manual_seed(32)
+    for index in range(1, 4):
+        q, k_new, v_new, groups = _next_step(groups, index, gen, q, k_new, v_new)
+        assert step.accepts(q, k_new, v_new, groups, 0.2)
+        reference = step_expected(q, k_new, v_new, groups, scale=0.2)
+        assert_step_matches(step(q, k_new, v_new, groups), groups, reference)
+
+
+@kernel_test
+def test_prepared_step_takes_one_token_4d_projections():
+    """q/k_new/v_new as [B, H, 1, d] (a model's projections): the output is [B, Hq, 1, d], the same values."""
+    q, k_new, v_new, groups = step_inputs("two", 4, batch=2, seed=35)
+    reference = step_expected(q, k_new, v_new, groups)
+    step = decode.DecodeStep(q[:, :, None], k_new[:, :, None], v_new[:, :, None], groups, splits=2, block_n=16)
+    assert step.accepts(q[:, :, None], k_new[:, :, None], v_new[:, :, None], groups)
+    assert not step.accepts(q, k_new, v_new, groups)
+    got = step(q[:, :, None], k_new[:, :, None], v_new[:, :, None], groups)
+    assert got.shape == (2, 12, 1, 16)
+    assert_step_matches(got[:, :, 0], groups, reference)
+    with pytest.raises(ValueError, match="one token"):
+        decode.DecodeStep(q[:, :, None].expand(2, 12, 2, 16), k_new[:, :, None], v_new[:, :, None], groups)
+
+
+@kernel_test
+def test_prepared_step_refuses_other_buffers_layouts_and_scales():
+    q, k_new, v_new, groups = step_inputs("two", 4, batch=2, seed=33)
+    step = decode.DecodeStep(q, k_new, v_new, groups)
+    full, ring = groups
+    assert step.accepts(q, k_new, v_new, groups)
+    assert not step.accepts(q, k_new, v_new, groups, scale=0.5)
+    assert not step.accepts(q, k_new, v_new, [dataclasses.replace(full, keys=full.keys.clone()), ring])
+    assert not step.accepts(q, k_new, v_new, [full, dataclasses.replace(ring, slot=ring.slot.int())])
+    assert not step.accepts(q.transpose(0, 1).contiguous().transpose(0, 1), k_new, v_new, groups)
+    assert not step.accepts(q, k_new, v_new, [full])
+    with pytest.raises(ValueError, match="cover the KV heads"):
+        decode.DecodeStep(q, k_new, v_new, [full])
+
+
+@pytest.mark.gpu
+def test_gpu_prepared_step_launches_the_compiled_kernels_directly(monkeypatch):
+    """After the first step, the split and combine kernels launch without Triton's per-call launch path (counted
+    on the JIT functions); a misaligned q still gives the right result (through Triton's path)."""
+    runs = []
+    for kernel in (decode._decode_split_kernel, decode._decode_combine_kernel):
+        original = kernel.run
+        monkeypatch.setattr(kernel, "run", lambda *a, _run=original, **k: runs.append(1) or _run(*a, **k))
+    q, k_new, v_new, groups = _layer_step(1, seed=5)
+    step = decode.DecodeStep(q, k_new, v_new, groups)
+    reference = step_expected(q, k_new, v_new, groups)
+    assert_step_matches(step(q, k_new, v_new, groups), groups, reference, atol=2e-2)
+    first = len(runs)
+    assert first == 2  # the split kernel and the combine (B = 1 at 131K slots: several splits)
+    for _ in range(3):
+        q = torch.randn_like(q)
+        reference = step_expected(q, k_new, v_new, groups)
+        assert_step_matches(step(q, k_new, v_new, groups), groups, reference, atol=2e-2)
+    assert len(runs) == first
+    storage = torch.randn(q.numel() + 1, device="cuda", dtype=q.dtype)
+    shifted = storage[1:].view(q.shape)  # 2 bytes past a 16-byte boundary, q's strides
+    assert step.accepts(shifted, k_new, v_new, groups)
+    reference = step_expected(shifted, k_new, v_new, groups)
+    assert_step_matches(step(shifted, k_new, v_new, groups), groups, reference, atol=2e-2)
+    assert len(runs) == first + 1  # the split kernel reads q: Triton's path; the combine's arguments are aligned

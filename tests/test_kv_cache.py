@@ -1,6 +1,8 @@
 """flexsparse's sparse KV cache: ring slots against a step-by-step simulation, memory against the formula and
 DynamicCache, buffer capacities, chunked prefill, right padding, growth, errors (tiny random Llama, fp32, CPU)."""
 
+import os
+
 import pytest
 import torch
 
@@ -20,6 +22,10 @@ from tests.hf_util import (
     tiny_model,
     transformers,
 )
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="the one-launch step on CPU tensors needs the Triton "
+                                       "interpreter (the root conftest turns it on where there is no CUDA)")
 
 PATTERNS = {"full": Causal(), "ssa": SinkWindow(2, 6), "ssa2": SinkWindow(0, 5)}
 MIXED = [["full", "ssa"], ["ssa2", "ssa2"], ["ssa", "full"]]
@@ -249,7 +255,8 @@ def test_qwen3_8b_like_cache_at_128k_is_3_8x_smaller():
     assert all_full / cache.memory_bytes() == pytest.approx(3.81, abs=0.005)
 
 
-@pytest.mark.parametrize("one_launch", [True, False, None], ids=["one-launch", "per-group", "default"])
+@pytest.mark.parametrize("one_launch", [pytest.param(True, marks=needs_interpreter), False, None],
+                         ids=["one-launch", "per-group", "default"])
 @pytest.mark.parametrize("layout", ["none", "left", "other"])
 def test_decode_path_follows_the_padding_layout(layout, one_launch, monkeypatch):
     """Full and ring heads decode without masks while the cache holds no padding (SDPA over the filled slots) or
@@ -271,7 +278,7 @@ def test_decode_path_follows_the_padding_layout(layout, one_launch, monkeypatch)
         raise AssertionError("the CUDA decode kernel was called on CPU tensors (it needs the interpreter there)")
 
     step_calls = []
-    step_kernel = kv_cache.decode_step_attention
+    step_kernel = kv_cache.DecodeStep.__call__
 
     def counted_step(*args, **kwargs):
         step_calls.append(1)
@@ -279,7 +286,7 @@ def test_decode_path_follows_the_padding_layout(layout, one_launch, monkeypatch)
 
     monkeypatch.setattr(kv_cache.SparseKVLayer, "attend", spy)
     monkeypatch.setattr(kv_cache, "ranged_decode_attention", cuda_only)
-    monkeypatch.setattr(kv_cache, "decode_step_attention", counted_step)
+    monkeypatch.setattr(kv_cache.DecodeStep, "__call__", counted_step)
     model = convert(tiny_model("llama"), PATTERNS, MIXED, backend="dense")
     ids, mask = {"none": left_padded([14, 14]), "left": left_padded([14, 10]), "other": right_padded([14, 6])}[layout]
     cache = SparseKVCache(model, one_launch_decode=one_launch)
@@ -292,6 +299,7 @@ def test_decode_path_follows_the_padding_layout(layout, one_launch, monkeypatch)
     assert bool(step_calls) == (one_launch is True and layout != "other")
 
 
+@needs_interpreter
 def test_generate_with_a_one_launch_cache_passed_by_the_user(monkeypatch):
     """generate() keeps a SparseKVCache the user passes (here with the one-launch decode step, in the Triton
     interpreter): the same greedy tokens as the cache generate() builds, the step kernel called every step."""
@@ -301,13 +309,13 @@ def test_generate_with_a_one_launch_cache_passed_by_the_user(monkeypatch):
     ids, mask = left_padded([13, 8])
     expected = greedy(model, ids, mask, 12)
     calls = []
-    step_kernel = kv_cache.decode_step_attention
+    step_kernel = kv_cache.DecodeStep.__call__
 
     def counted_step(*args, **kwargs):
         calls.append(1)
         return step_kernel(*args, **kwargs)
 
-    monkeypatch.setattr(kv_cache, "decode_step_attention", counted_step)
+    monkeypatch.setattr(kv_cache.DecodeStep, "__call__", counted_step)
     got = greedy(model, ids, mask, 12, past_key_values=SparseKVCache(model, one_launch_decode=True))
     assert torch.equal(got, expected)
     assert len(calls) == 11 * LAYERS  # every decode step of every layer (MIXED: at most two groups per layer)

@@ -29,10 +29,11 @@ all layers, none without a padding mask, and generate() syncs every step anyway)
 
 On CUDA (by default; ``one_launch_decode=True`` also under the Triton interpreter, ``False`` never), when a
 layer's heads form at most two such groups of consecutive heads, the whole step is one call,
-:func:`~flexsparse.kernels.decode.decode_step_attention`: it writes the new token into both groups' buffers and
-attends both (two launches, no per-group copies, no cat). On an H100 at 131,072 cached tokens (4 layers per
-step) it cut a layer's step from 0.37 to 0.24 ms at batch 1 and from 0.44 to 0.41 ms at batch 8, and from 1.55 to
-0.98 ms at batch 8 left-padded (one layer per step; ``python -m flexsparse.tools.bench_hf --parts decode``).
+:class:`~flexsparse.kernels.decode.DecodeStep` (prepared once per layer for its buffers): it writes the new token
+into both groups' buffers and attends both (two launches of the compiled kernels, no per-group copies, no cat).
+On an H100 at 131,072 cached tokens (4 layers per step) a layer's step takes 0.070 ms at batch 1 against 0.230 ms
+per group and 0.184 ms for all-full SDPA, 0.397 ms at batch 8 against 0.418 and 1.395 ms, and 0.637 ms at batch 8
+left-padded (one layer per step; ``python -m flexsparse.tools.bench_hf --parts decode``).
 
 Any other padding (a right-padded prompt, padding in a chunk or a decode token) sends decode through the
 position-masked path below from then on.
@@ -61,7 +62,7 @@ from flexsparse.integrations.layer import CacheGroup, SparseAttentionLayer, spar
 from flexsparse.kernels.decode import (
     MAX_HEAD_DIM,
     DecodeGroup,
-    decode_step_attention,
+    DecodeStep,
     kernels_run_on,
     ranged_decode_attention,
     ranged_decode_reference,
@@ -89,13 +90,25 @@ def ring_slot_positions(counts: Tensor, sink: int, window: int, capacity: int, s
     return torch.where(slot < sink, in_sink, in_window).to(torch.int32)
 
 
-def _constant(mask: ForwardMask, value: int) -> Tensor:
-    """``value`` for every row, int64 ``[B]`` on the device (memoised per forward: shared by its layers)."""
-    found = mask.memo.get(("constant", value))
-    if found is None:
-        found = mask.memo[("constant", value)] = torch.full((mask.batch,), value, dtype=torch.long,
-                                                           device=mask.device)
-    return found
+class _Counts:
+    """The int64 sequence ``0, 1, 2, ...`` on each device, shared by a cache's layers: a decode step's per-row
+    constants (a slot, a length) are stride-0 views into it, so making them launches no kernel. Grows by doubling
+    (8 bytes per token of the longest generation)."""
+
+    def __init__(self) -> None:
+        self._on: dict[torch.device, Tensor] = {}
+
+    def constant(self, mask: ForwardMask, value: int) -> Tensor:
+        """``value`` for every row: int64 ``[B]`` on the mask's device (a read-only view, memoised per forward:
+        shared by its layers)."""
+        found = mask.memo.get(("constant", value))
+        if found is None:
+            table = self._on.get(mask.device)
+            if table is None or value >= table.shape[0]:
+                size = max(4096, 2 * value + 2, 0 if table is None else 2 * table.shape[0])
+                table = self._on[mask.device] = torch.arange(size, dtype=torch.long, device=mask.device)
+            found = mask.memo[("constant", value)] = table.as_strided((mask.batch,), (0,), value)
+        return found
 
 
 def _per_row(mask: ForwardMask, values: Tensor) -> Tensor:
@@ -132,8 +145,9 @@ class _HeadIndex:
 class _GroupCache:
     """One group's buffers and how its heads attend (subclasses: every key, or a ring)."""
 
-    def __init__(self, group: CacheGroup, group_size: int) -> None:
+    def __init__(self, group: CacheGroup, group_size: int, counts: _Counts) -> None:
         self.group = group
+        self.counts = counts
         self.kv_index = _HeadIndex(group.kv_heads)
         self.q_index = _HeadIndex(group.q_heads(group_size))
         self.keys: Tensor | None = None
@@ -190,9 +204,9 @@ class _EveryKey(_GroupCache):
     their positions, so every decode step has the same shapes (one plan, one compiled variant) until the buffer
     grows. ``bucketed``: capacities ``block_size x 2^k`` (compiled flex); otherwise the generation's length."""
 
-    def __init__(self, group: CacheGroup, group_size: int, bucketed: bool, block_size: int,
+    def __init__(self, group: CacheGroup, group_size: int, counts: _Counts, bucketed: bool, block_size: int,
                  max_length: int | None) -> None:
-        super().__init__(group, group_size)
+        super().__init__(group, group_size, counts)
         self.bucketed, self.block_size, self.max_length = bucketed, block_size, max_length
 
     def reserve(self, like: Tensor, tokens: int) -> None:
@@ -216,13 +230,13 @@ class _EveryKey(_GroupCache):
         them without padding, a row's last ``real_b`` slots after a left-padded prompt."""
         tokens = past + 1
         if layout == "none":
-            lo = _constant(mask, 0)
+            lo = self.counts.constant(mask, 0)
         else:
             lo = mask.memo.get(("left ranges", tokens))
             if lo is None:
                 lo = mask.memo[("left ranges", tokens)] = tokens - _per_row(mask, mask.real_counts(tokens))
-        return DecodeGroup(self.keys, self.values, self.group.kv_heads[0], lo, _constant(mask, tokens),
-                           _constant(mask, past))
+        return DecodeGroup(self.keys, self.values, self.group.kv_heads[0], lo, self.counts.constant(mask, tokens),
+                           self.counts.constant(mask, past))
 
     def attend(self, layer: SparseAttentionLayer, q: Tensor, key: Tensor, value: Tensor, mask: ForwardMask,
                past: int, scale: float | None, decode: str | None = None) -> Tensor:
@@ -234,7 +248,7 @@ class _EveryKey(_GroupCache):
             lo = mask.memo.get(("left ranges", tokens))
             if lo is None:
                 lo = mask.memo[("left ranges", tokens)] = tokens - _per_row(mask, mask.real_counts(tokens))
-            return self.attend_ranges(q, lo, _constant(mask, tokens), scale)
+            return self.attend_ranges(q, lo, self.counts.constant(mask, tokens), scale)
         return layer.attention(self.pick_q(q), self.keys, self.values, positions=mask.positions_in(self.capacity),
                                kv_heads=self.group.kv_heads, scale=scale)
 
@@ -242,8 +256,8 @@ class _EveryKey(_GroupCache):
 class _Ring(_GroupCache):
     """Token-exact SinkWindow heads: ``sink + window`` slots (fewer for a shorter generation)."""
 
-    def __init__(self, group: CacheGroup, group_size: int, max_length: int | None) -> None:
-        super().__init__(group, group_size)
+    def __init__(self, group: CacheGroup, group_size: int, counts: _Counts, max_length: int | None) -> None:
+        super().__init__(group, group_size, counts)
         window: SinkWindow = group.window
         self.sink, self.window = window.sink, window.window
         self.full_size = self.sink + self.window
@@ -283,8 +297,9 @@ class _Ring(_GroupCache):
         prompt); it attends a row's filled slots, the first ``min(real tokens, capacity)``."""
         tokens = past + 1
         if layout == "none":
-            slot = _constant(mask, past if past < self.sink else self.sink + (past - self.sink) % self.window)
-            filled = _constant(mask, min(tokens, self.capacity))
+            slot = self.counts.constant(mask, past if past < self.sink else
+                                        self.sink + (past - self.sink) % self.window)
+            filled = self.counts.constant(mask, min(tokens, self.capacity))
         else:
             counts = _per_row(mask, mask.real_counts(tokens))
             slot = mask.memo.get(("ring step slot", self.sink, self.window))
@@ -294,7 +309,7 @@ class _Ring(_GroupCache):
             filled = mask.memo.get(("ring filled", tokens, self.capacity))
             if filled is None:
                 filled = mask.memo[("ring filled", tokens, self.capacity)] = counts.clamp(max=self.capacity)
-        return DecodeGroup(self.keys, self.values, self.group.kv_heads[0], _constant(mask, 0), filled, slot)
+        return DecodeGroup(self.keys, self.values, self.group.kv_heads[0], self.counts.constant(mask, 0), filled, slot)
 
     def write_one(self, key: Tensor, value: Tensor, mask: ForwardMask, tokens: int, real: bool = False) -> None:
         """Decode: the new token into its slot (``real``: it is known to be a real token). A padding token goes
@@ -325,7 +340,7 @@ class _Ring(_GroupCache):
             if filled is None:
                 filled = mask.memo[("ring filled", tokens, self.capacity)] = _per_row(
                     mask, mask.real_counts(tokens)).clamp(max=self.capacity)
-            return self.attend_ranges(q, _constant(mask, 0), filled, scale)
+            return self.attend_ranges(q, self.counts.constant(mask, 0), filled, scale)
         q_group, table = self.pick_q(q), mask.table_positions()
         if key.shape[2] == 1:  # decode: write, then attend every filled slot (they are the pattern's keys)
             self.write_one(key, value, mask, tokens)
@@ -353,9 +368,10 @@ class SparseKVLayer(CacheLayerMixin):
     is_sliding = False
 
     def __init__(self, layer: SparseAttentionLayer, max_length: int | None = None,
-                 one_launch_decode: bool | None = None) -> None:
+                 one_launch_decode: bool | None = None, counts: _Counts | None = None) -> None:
         super().__init__()
         self.layer = layer
+        counts = _Counts() if counts is None else counts
         self.tokens = 0
         self.layout = "none"  # padding of the tokens so far: "none", "left" (a left-padded prompt) or "other"
         options = layer.options
@@ -363,15 +379,17 @@ class SparseKVLayer(CacheLayerMixin):
         self.groups: list[_GroupCache] = []
         for group in layer.groups:
             if group.kind == "ring":
-                self.groups.append(_Ring(group, layer.group_size, max_length))
+                self.groups.append(_Ring(group, layer.group_size, counts, max_length))
             else:
                 bucketed = compiled and (group.kind == "keep" or options["plan"] == "fused")
-                self.groups.append(_EveryKey(group, layer.group_size, bucketed, options["block_size"], max_length))
+                self.groups.append(_EveryKey(group, layer.group_size, counts, bucketed, options["block_size"],
+                                              max_length))
         ranges = [group.q_index.slice for group in self.groups]
         self.heads_in_order = all(r is not None for r in ranges) and all(
             a.stop == b.start for a, b in zip(ranges, ranges[1:]))
         fits_kernel = layer.attention.head_dim <= MAX_HEAD_DIM and len(self.groups) <= 2 and all(
             group.group.kind in ("full", "ring") and group.kv_index.slice is not None for group in self.groups)
+        self._decode_step: DecodeStep | None = None  # the one-launch step prepared for the current buffers
         self.one_launch_decode = one_launch_decode if fits_kernel else False
         """Whether a decode step runs as one kernel call: None on CUDA, True where the kernels run, False never
         (False also when the layer does not fit the kernel: more than two full or ring groups of consecutive heads,
@@ -386,21 +404,23 @@ class SparseKVLayer(CacheLayerMixin):
         groups and attends; returns them unchanged."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        where = f"layer {self.layer.layer_idx} ({self.layer.path})"
         if not self.layer.attached:
-            raise ValueError(f"{where}: this cache was built for an earlier conversion of the model (convert or "
-                             "revert ran since); start a new cache")
+            raise ValueError(f"{self._where()}: this cache was built for an earlier conversion of the model (convert "
+                             "or revert ran since); start a new cache")
         if key_states.shape[0] != self.batch or key_states.dtype != self.dtype:
-            raise ValueError(f"{where}: the sparse KV cache holds batch {self.batch} {self.dtype}, got keys of "
-                             f"batch {key_states.shape[0]} {key_states.dtype}")
+            raise ValueError(f"{self._where()}: the sparse KV cache holds batch {self.batch} {self.dtype}, got keys "
+                             f"of batch {key_states.shape[0]} {key_states.dtype}")
         if key_states.shape[1] != self.layer.attention.num_kv_heads:
-            raise ValueError(f"{where}: keys have {key_states.shape[1]} heads, the layer has "
+            raise ValueError(f"{self._where()}: keys have {key_states.shape[1]} heads, the layer has "
                              f"{self.layer.attention.num_kv_heads} KV heads")
         self.layer.stage(self, key_states, value_states)
         self.tokens += key_states.shape[2]
         for group in self.groups:
             group.reserve(key_states, self.tokens)
         return key_states, value_states
+
+    def _where(self) -> str:
+        return f"layer {self.layer.layer_idx} ({self.layer.path})"
 
     def attend(self, q: Tensor, key: Tensor, value: Tensor, mask: ForwardMask | None, scale: float | None) -> Tensor:
         """Attention output ``[B, H, q, d]`` of the staged update: every group as one call."""
@@ -424,7 +444,10 @@ class SparseKVLayer(CacheLayerMixin):
         decode = self.layout if q_len == 1 and self.layout != "other" else None
         if decode is not None and self._one_launch_on(q.device):
             groups = [group.step_group(mask, past, decode) for group in self.groups]
-            return decode_step_attention(q[:, :, 0], key[:, :, 0], value[:, :, 0], groups, scale=scale)[:, :, None]
+            step = self._decode_step
+            if step is None or not step.accepts(q, key, value, groups, scale):
+                step = self._decode_step = DecodeStep(q, key, value, groups, scale)
+            return step(q, key, value, groups)
         results = [group.attend(layer, q, key, value, mask, past, scale, decode) for group in self.groups]
         if len(results) == 1:
             return results[0]
@@ -458,6 +481,7 @@ class SparseKVLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.tokens = 0
         self.layout = "none"
+        self._decode_step = None
         for group in self.groups:
             group.keys = group.values = None
 
@@ -499,7 +523,8 @@ class SparseKVCache(Cache):
         max_length = None if max_length is None else as_int("max_length", max_length, minimum=1)
         if one_launch_decode is not None and not isinstance(one_launch_decode, bool):
             raise TypeError(f"one_launch_decode must be a bool or None, got {type(one_launch_decode).__name__}")
-        super().__init__(layers=[SparseKVLayer(layer, max_length, one_launch_decode) for layer in layers])
+        counts = _Counts()  # shared by the layers
+        super().__init__(layers=[SparseKVLayer(layer, max_length, one_launch_decode, counts) for layer in layers])
 
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
         return self.layers[layer_idx].update(key_states, value_states)

@@ -118,7 +118,7 @@ class SparseAttentionLayer(nn.Module):
         self.groups = cache_groups(list(self.patterns.values()), self.modes)
         self.attached = True
         """False once convert or revert replaced this state: caches filled through it refuse further use."""
-        self._staged: tuple | None = None
+        self._staged: list[tuple | None] = [None]  # a holder: nn.Module's __setattr__ costs ~5 us per step
 
     @property
     def mode_names(self) -> list[str]:
@@ -131,15 +131,15 @@ class SparseAttentionLayer(nn.Module):
 
     def stage(self, cache_layer: object, key: Tensor, value: Tensor) -> None:
         """Record a cache update of this layer until the attention function takes it."""
-        if self._staged is not None:
+        if self._staged[0] is not None:
             raise ValueError(f"layer {self.layer_idx} ({self.path}): the sparse KV cache was updated twice without "
                              "an attention call between; the model must call transformers' attention function "
                              "right after each cache update")
-        self._staged = (cache_layer, key, value)
+        self._staged[0] = (cache_layer, key, value)
 
     def take_staged(self, key: Tensor, value: Tensor) -> object | None:
         """The cache layer whose update produced ``key``/``value`` (None when no cache update is pending)."""
-        staged, self._staged = self._staged, None
+        staged, self._staged[0] = self._staged[0], None
         if staged is None:
             return None
         cache_layer, staged_key, staged_value = staged

@@ -31,16 +31,19 @@ The bounds are read on the device, so a decode step never syncs the host and one
 * Combine: each program writes its partial (row max, row sum, unnormalised accumulator) into an fp32 workspace;
   a second small kernel merges the splits of each (b, query head) and writes the output (an empty range gives
   zeros). With one split the first kernel normalises and writes the output itself (one launch).
-* Host path: the launch plan (split counts, tile size, grid, constexprs, an fp32 workspace reused by every call of
-  that plan) is cached per call signature (shapes, dtypes, devices, K/V strides, scale, ``KERNEL_CONFIG``); the
-  full argument checks run when a plan is built. A call builds its signature, looks it up and launches: no
-  allocation but the output (none with ``out=``), no host sync. Calls on one stream are ordered, so reusing the
-  workspace is safe; concurrent calls of one signature on two streams are not.
+* Host path: the launch plan (split counts, tile size, grid, an fp32 workspace reused by every call of that plan,
+  and each kernel as a :class:`~flexsparse.kernels.launch.CompiledLaunch` with its integers and constexprs fixed)
+  is cached per call signature (shapes, strides, dtypes, devices, scale, ``KERNEL_CONFIG``); the full argument
+  checks run when a plan is built. A call builds its signature, looks it up and launches the compiled kernels
+  directly: no allocation but the output (none with ``out=``), no host sync. :class:`DecodeStep` skips the
+  signature too, for a loop of steps over one layer's buffers (the KV cache's path). Calls on one stream are
+  ordered, so reusing the workspace is safe; concurrent calls of one signature on two streams are not.
 
 What bounds it: for long ranges HBM bandwidth (every K and V byte of the range is read once; the workspace is
 ~``B * Hq * splits * d * 4`` bytes, small beside them); for short ranges (a sink + window ring of a few thousand
 slots) the launch latency of the two kernels and one program's serial latency over its chunk; at batch 1 the host
-(Triton's launcher per kernel, the plan look-up, the output allocation).
+(a model's Python around the step, the two launches, the output allocation): on an H100 the step's GPU time at
+131K slots, 0.060 ms, is about its host time.
 
 fp32 inputs use exact (ieee) dots; 16-bit inputs use the tensor cores with fp32 accumulation and P rounded to the
 input dtype for ``P @ V`` (as FlashAttention). Also here: :func:`ranged_decode_reference` and
@@ -58,6 +61,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from flexsparse.kernels.launch import CompiledLaunch
 from flexsparse.validation import as_float, as_int
 
 KERNEL_CONFIG = {
@@ -172,7 +176,7 @@ def _attend_chunk(
             tl.store(WS + stats_offset + 2 * row + 1, l_sum, mask=real)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["LO1", "HI1", "SLOT1", "LO2", "HI2", "SLOT2"])
 def _decode_split_kernel(
     Q, O, WS, KN, VN, K1, V1, LO1, HI1, SLOT1, K2, V2, LO2, HI2, SLOT2,
     stride_qb, stride_qh, stride_qd, stride_ob, stride_oh, stride_od,
@@ -273,15 +277,12 @@ class DecodeGroup:
 
 @dataclass(frozen=True, slots=True)
 class _Plan:
-    """What one call signature launches (built once by :func:`_build_plan`)."""
+    """What one call signature launches (built once by :func:`_build_plan`); None launches: nothing to compute
+    (B or Hq is 0)."""
 
-    grid: tuple[int, int] | None  # (B * Hkv, max splits); None: nothing to compute (B or Hq is 0)
-    scalars: tuple  # capacity and splits of each group, the stats offset, scale * log2(e)
-    split_options: dict  # constexprs and launch options of the split kernel
+    split: CompiledLaunch | None  # the split kernel over both groups, its integers (strides, ...) fixed
     workspace: Tensor | None  # fp32 partials; None with one split (the split kernel writes the output)
-    combine_grid: tuple[int]
-    combine_scalars: tuple  # splits of each group, the workspace's splits per row, the stats offset
-    combine_options: dict
+    combine: CompiledLaunch | None  # the combine kernel (None with one split)
 
 
 _PLANS: dict[tuple, _Plan] = {}
@@ -317,9 +318,12 @@ def _split_counts(batch: int, groups: list[tuple[int, int]], block_n: int, devic
 
 
 def _build_plan(q: Tensor, kv_heads: int, groups: list[tuple[int, int]], has_new: bool, scale: float | None,
-                splits: int | None, block_n: int | None) -> _Plan:
-    """The launch of one call signature: groups (KV heads, capacity) in KV-head order, arguments checked."""
+                splits: int | None, block_n: int | None, strides: tuple[int, ...]) -> _Plan:
+    """The launches of one call signature: groups (KV heads, capacity) in KV-head order, arguments checked,
+    ``strides`` the split kernel's stride arguments (:func:`_stride_args`)."""
     batch, heads, dim = q.shape
+    if not batch * heads:
+        return _Plan(None, None, None)
     scale = dim**-0.5 if scale is None else scale
     block_n = _block_n(dim, q.dtype) if block_n is None else block_n
     counts = [splits] * len(groups) if splits is not None else _split_counts(batch, groups, block_n, q.device)
@@ -329,42 +333,46 @@ def _build_plan(q: Tensor, kv_heads: int, groups: list[tuple[int, int]], has_new
     pairs = batch * heads
     stats_offset = pairs * row_splits * dim  # (max, sum) pairs follow the accumulators
     group_size = heads // kv_heads
-    split_options = dict(
-        KV_HEADS=kv_heads, FIRST_KV_HEADS=first_heads, HAS_SECOND=len(groups) == 2, GROUP=group_size,
-        G_PAD=max(16, triton.next_power_of_2(group_size)), D=dim, D_PAD=_padded_dim(dim), BLOCK_N=block_n,
-        HAS_NEW=has_new,
-        DIRECT=row_splits == 1, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=KERNEL_CONFIG["num_warps"], num_stages=KERNEL_CONFIG["num_stages"])
-    workspace = None
-    if row_splits > 1 and pairs:
-        workspace = torch.empty(pairs * row_splits * (dim + 2), dtype=torch.float32, device=q.device)
+    split = CompiledLaunch(
+        _decode_split_kernel, (batch * kv_heads, row_splits),
+        strides + (first_capacity, first_splits, second_capacity, second_splits, stats_offset, scale * _LOG2E),
+        dict(KV_HEADS=kv_heads, FIRST_KV_HEADS=first_heads, HAS_SECOND=len(groups) == 2, GROUP=group_size,
+             G_PAD=max(16, triton.next_power_of_2(group_size)), D=dim, D_PAD=_padded_dim(dim), BLOCK_N=block_n,
+             HAS_NEW=has_new, DIRECT=row_splits == 1, PRECISION="ieee" if q.dtype == torch.float32 else "tf32"),
+        dict(num_warps=KERNEL_CONFIG["num_warps"], num_stages=KERNEL_CONFIG["num_stages"]))
+    if row_splits == 1:
+        return _Plan(split, None, None)
+    workspace = torch.empty(pairs * row_splits * (dim + 2), dtype=torch.float32, device=q.device)
     block_s = min(triton.next_power_of_2(row_splits), max(1, KERNEL_CONFIG["combine_elements"] // _padded_dim(dim)))
-    return _Plan(
-        grid=(batch * kv_heads, row_splits) if pairs else None,
-        scalars=(first_capacity, first_splits, second_capacity, second_splits, stats_offset, scale * _LOG2E),
-        split_options=split_options, workspace=workspace, combine_grid=(pairs,),
-        combine_scalars=(first_splits, second_splits, row_splits, stats_offset),
-        combine_options=dict(HEADS=heads, FIRST_HEADS=first_heads * group_size, D=dim, D_PAD=_padded_dim(dim),
-                             BLOCK_S=block_s,
-                             num_warps=KERNEL_CONFIG["combine_warps"]))
+    combine = CompiledLaunch(
+        _decode_combine_kernel, (pairs,), strides[3:6] + (first_splits, second_splits, row_splits, stats_offset),
+        dict(HEADS=heads, FIRST_HEADS=first_heads * group_size, D=dim, D_PAD=_padded_dim(dim), BLOCK_S=block_s),
+        dict(num_warps=KERNEL_CONFIG["combine_warps"]))
+    return _Plan(split, workspace, combine)
+
+
+def _stride_args(q: Tensor, out_strides: tuple[int, ...], k_new: Tensor, v_new: Tensor, first: DecodeGroup,
+                 second: DecodeGroup) -> tuple[int, ...]:
+    """The split kernel's stride arguments, in its order (q, out, k_new, v_new, then each group's)."""
+    k1, v1, k2, v2 = first.keys.stride(), first.values.stride(), second.keys.stride(), second.values.stride()
+    return (*q.stride(), *out_strides, *k_new.stride(), *v_new.stride(),
+            k1[0], k1[1], k1[2], v1[0], v1[1], v1[2], first.lo.stride(0), first.hi.stride(0), first.slot.stride(0),
+            k2[0], k2[1], k2[2], v2[0], v2[1], v2[2], second.lo.stride(0), second.hi.stride(0), second.slot.stride(0))
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, int, int]:
+    """Strides of a new contiguous ``[B, H, d]`` tensor (the output when no ``out`` is given)."""
+    return (shape[1] * shape[2], shape[2], 1)
 
 
 def _launch(plan: _Plan, q: Tensor, out: Tensor, k_new: Tensor, v_new: Tensor, first: DecodeGroup,
             second: DecodeGroup) -> None:
     """The split kernel over both groups (``second is first`` for one group), then the combine (with splits)."""
     workspace = out if plan.workspace is None else plan.workspace
-    k1, v1, k2, v2 = first.keys.stride(), first.values.stride(), second.keys.stride(), second.values.stride()
-    _decode_split_kernel[plan.grid](
-        q, out, workspace, k_new, v_new,
-        first.keys, first.values, first.lo, first.hi, first.slot,
-        second.keys, second.values, second.lo, second.hi, second.slot,
-        *q.stride(), *out.stride(), *k_new.stride(), *v_new.stride(),
-        k1[0], k1[1], k1[2], v1[0], v1[1], v1[2], first.lo.stride(0), first.hi.stride(0), first.slot.stride(0),
-        k2[0], k2[1], k2[2], v2[0], v2[1], v2[2], second.lo.stride(0), second.hi.stride(0), second.slot.stride(0),
-        *plan.scalars, **plan.split_options)
-    if plan.workspace is not None:
-        _decode_combine_kernel[plan.combine_grid](workspace, out, *out.stride(), *plan.combine_scalars,
-                                                  **plan.combine_options)
+    plan.split(q, out, workspace, k_new, v_new, first.keys, first.values, first.lo, first.hi, first.slot,
+               second.keys, second.values, second.lo, second.hi, second.slot)
+    if plan.combine is not None:
+        plan.combine(workspace, out)
 
 
 def _config_signature() -> tuple:
@@ -531,14 +539,16 @@ def ranged_decode_attention(q: Tensor, keys: Tensor, values: Tensor, lo: Tensor,
     larger buffer). ``splits`` / ``block_n`` override the split count per (sequence, KV head) and the slots per
     tile (a power of two >= 16); by default they follow from the shapes and ``KERNEL_CONFIG``. Never syncs the
     host: every launch parameter is a shape. The arguments are checked in full the first time a signature
-    (shapes, dtypes, devices, K/V strides, scale, overrides) is seen; later calls only look up its plan.
+    (shapes, strides, dtypes, devices, scale, overrides) is seen; later calls only look up its plan.
     """
     try:
-        signature = ("ranged", q.shape, q.dtype, q.device, keys.shape, keys.stride(), keys.dtype, keys.device,
-                     values.shape, values.stride(), values.dtype, values.device, lo.shape, lo.dtype, lo.device,
-                     hi.shape, hi.dtype, hi.device, None if out is None else (out.shape, out.dtype, out.device),
-                     scale, splits, block_n, _config_signature())
-    except AttributeError:  # not tensors: the checks name the argument
+        group = DecodeGroup(keys, values, 0, lo, hi, lo)  # lo stands in for the unused slot
+        strides = _stride_args(q, _contiguous_strides(q.shape) if out is None else out.stride(), q, q, group, group)
+        signature = ("ranged", q.shape, q.dtype, q.device, keys.shape, keys.dtype, keys.device, values.shape,
+                     values.dtype, values.device, lo.shape, lo.dtype, lo.device, hi.shape, hi.dtype, hi.device,
+                     None if out is None else (out.shape, out.dtype, out.device), scale, splits, block_n,
+                     _config_signature(), strides)
+    except (AttributeError, TypeError, IndexError, RuntimeError):  # malformed arguments: the checks name them
         _check_ranged_args(q, keys, values, lo, hi, _SUPPORTED_DTYPES, kernel=True)
         _check_kernel_args(q, out, scale, splits, block_n)
         raise
@@ -547,14 +557,13 @@ def ranged_decode_attention(q: Tensor, keys: Tensor, values: Tensor, lo: Tensor,
         _check_ranged_args(q, keys, values, lo, hi, _SUPPORTED_DTYPES, kernel=True)
         checked_scale, checked_splits, checked_block_n = _check_kernel_args(q, out, scale, splits, block_n)
         plan = _PLANS[signature] = _build_plan(q, keys.shape[1], [(keys.shape[1], keys.shape[2])], False,
-                                               checked_scale, checked_splits, checked_block_n)
+                                               checked_scale, checked_splits, checked_block_n, strides)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if plan.grid is None:
+    if plan.split is None:
         return out
     if keys.shape[2] == 0:  # no slot: every range is empty
         return out.zero_()
-    group = DecodeGroup(keys, values, 0, lo, hi, lo)  # lo stands in for the unused slot
     _launch(plan, q, out, q, q, group, group)  # q stands in for the unused new key and value
     return out
 
@@ -574,18 +583,32 @@ def decode_step_attention(q: Tensor, k_new: Tensor, v_new: Tensor, groups: Seque
     Returns ``[B, Hq, d]`` in q's dtype, written into ``out`` when given (any strides). ``splits`` / ``block_n``
     override the split count per (sequence, KV head) of every group and the slots per tile. One split-kernel
     launch (all groups) and, with several splits, one combine launch; no host sync. The arguments are checked in
-    full the first time a signature (shapes, dtypes, devices, K/V strides, scale, overrides) is seen; later calls
-    only look up its plan.
+    full the first time a signature (shapes, strides, dtypes, devices, scale, overrides) is seen; later calls
+    only look up its plan. A loop of steps over the same buffers can skip the look-up: see :class:`DecodeStep`.
     """
+    plan, first, second = _step_plan(q, k_new, v_new, groups, scale, out, splits, block_n)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if plan.split is not None:
+        _launch(plan, q, out, k_new, v_new, first, second)
+    return out
+
+
+def _step_plan(q: Tensor, k_new: Tensor, v_new: Tensor, groups: Sequence[DecodeGroup], scale: float | None,
+               out: Tensor | None, splits: int | None, block_n: int | None) -> tuple[_Plan, DecodeGroup, DecodeGroup]:
+    """The plan of a :func:`decode_step_attention` call (checked and built on the first call of its signature),
+    and its groups in the kernel's order (the group holding KV head 0 first; twice for one group)."""
     try:
         first, second = groups[0], groups[-1]
         if first.kv_start:  # the kernel takes the group holding KV head 0 first
             first, second = second, first
+        strides = _stride_args(q, _contiguous_strides(q.shape) if out is None else out.stride(), k_new, v_new, first,
+                               second)
         signature = ("step", q.shape, q.dtype, q.device, k_new.shape, k_new.dtype, k_new.device, v_new.shape,
                      v_new.dtype, v_new.device, None if out is None else (out.shape, out.dtype, out.device),
-                     len(groups), scale, splits, block_n, _config_signature(),
+                     len(groups), scale, splits, block_n, _config_signature(), strides,
                      *_group_signature(first), *(_group_signature(second) if second is not first else ()))
-    except (AttributeError, TypeError, IndexError, KeyError):  # malformed arguments: the checks name them
+    except (AttributeError, TypeError, IndexError, KeyError, RuntimeError):  # malformed: the checks name them
         check_decode_step_args(q, k_new, v_new, groups)
         _check_kernel_args(q, out, scale, splits, block_n)
         raise
@@ -594,12 +617,63 @@ def decode_step_attention(q: Tensor, k_new: Tensor, v_new: Tensor, groups: Seque
         ordered = check_decode_step_args(q, k_new, v_new, groups)
         checked_scale, checked_splits, checked_block_n = _check_kernel_args(q, out, scale, splits, block_n)
         plan = _PLANS[signature] = _build_plan(q, k_new.shape[1], [g.keys.shape[1:3] for g in ordered], True,
-                                               checked_scale, checked_splits, checked_block_n)
-    if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if plan.grid is not None:
-        _launch(plan, q, out, k_new, v_new, first, second)
-    return out
+                                               checked_scale, checked_splits, checked_block_n, strides)
+    return plan, first, second
+
+
+class DecodeStep:
+    """:func:`decode_step_attention` prepared for one layer's cache buffers, for a loop of decode steps.
+
+    Built from a first step's arguments (checked in full, the launch plan made); a call runs one step like
+    ``decode_step_attention(q, k_new, v_new, groups, scale)`` with no signature to build or look up: its host work
+    is the output's allocation and the launches. q, k_new and v_new may also be ``[B, H, 1, d]`` (a model's
+    one-token projections, as views need host time too); the output then is ``[B, Hq, 1, d]``. A step's
+    arguments must be what :meth:`accepts` takes: the same group buffers (the same tensors: a cache that
+    reallocates them builds a new DecodeStep), q, k_new, v_new and the groups' lo/hi/slot of the same shapes,
+    strides and dtypes on q's device, the same ``kv_start`` and scale.
+    """
+
+    __slots__ = ("scale", "_plan", "_buffers", "_layout")
+
+    def __init__(self, q: Tensor, k_new: Tensor, v_new: Tensor, groups: Sequence[DecodeGroup],
+                 scale: float | None = None, *, splits: int | None = None, block_n: int | None = None) -> None:
+        views = [q, k_new, v_new]
+        for i, (name, t) in enumerate(zip(("q", "k_new", "v_new"), views)):
+            if isinstance(t, Tensor) and t.dim() == 4:
+                if t.shape[2] != 1:
+                    raise ValueError(f"{name} [B, H, 1, d] must hold one token, got shape {list(t.shape)}")
+                views[i] = t[:, :, 0]
+        self._plan = _step_plan(*views, groups, scale, None, splits, block_n)[0]
+        self.scale = scale
+        self._buffers = tuple((group.keys, group.values) for group in groups)
+        self._layout = _step_layout(q, k_new, v_new, groups)
+
+    def accepts(self, q: Tensor, k_new: Tensor, v_new: Tensor, groups: Sequence[DecodeGroup],
+                scale: float | None = None) -> bool:
+        """Whether a step's arguments fit this preparation (see the class docstring)."""
+        return (scale == self.scale and len(groups) == len(self._buffers)
+                and all(g.keys is keys and g.values is values for g, (keys, values) in zip(groups, self._buffers))
+                and _step_layout(q, k_new, v_new, groups) == self._layout)
+
+    def __call__(self, q: Tensor, k_new: Tensor, v_new: Tensor, groups: Sequence[DecodeGroup]) -> Tensor:
+        """One step: ``[B, Hq, d]`` (``[B, Hq, 1, d]`` for 4-D q) in q's dtype; the arguments must be ones
+        :meth:`accepts` takes (not re-checked)."""
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # its [B, Hq, d] strides are the plan's
+        plan = self._plan
+        if plan.split is not None:
+            first, second = groups[0], groups[-1]
+            if first.kv_start:
+                first, second = second, first
+            _launch(plan, q, out, k_new, v_new, first, second)  # a [B, H, 1, d] tensor: the pointer of its view
+        return out
+
+
+def _step_layout(q: Tensor, k_new: Tensor, v_new: Tensor, groups: Sequence[DecodeGroup]) -> tuple:
+    """What a :class:`DecodeStep` depends on in a step's arguments, besides the group buffers themselves."""
+    return (q.shape, q.stride(), q.dtype, q.device, k_new.shape, k_new.stride(), k_new.dtype, v_new.shape,
+            v_new.stride(), v_new.dtype,
+            *((g.kv_start, g.lo.shape, g.lo.stride(), g.lo.dtype, g.hi.shape, g.hi.stride(), g.hi.dtype, g.slot.shape,
+               g.slot.stride(), g.slot.dtype) for g in groups))
 
 
 def ranged_decode_reference(q: Tensor, keys: Tensor, values: Tensor, lo: Tensor, hi: Tensor,

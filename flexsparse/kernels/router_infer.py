@@ -58,6 +58,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from flexsparse.kernels.launch import CompiledLaunch
+
 MAX_ROWS = 16  # rows (sequences or (sequence, head) pairs) of one MLP program
 MAX_HEAD_DIM = 256
 _TILE = 4096  # float32 elements of one register tile (a weight tile, gathered rows): no spills at 8 warps
@@ -115,10 +117,12 @@ def _launch(batch: int, heads: int, dim: int, two_p: int, hid1: int, out1: int, 
 
 class RouterWorkspace:
     """Scratch (float32) and the stage counters (int32, zero between launches) of one router's launches, per
-    device, grown when a launch needs more. Not for two launches at once (concurrent streams)."""
+    device, grown when a launch needs more; and the router's launches (:class:`CompiledLaunch`, per launch sizes,
+    states strides and modes). Not for two launches at once (concurrent streams)."""
 
     def __init__(self) -> None:
         self._buffers: dict[torch.device, tuple[Tensor, Tensor]] = {}
+        self.launches: dict[tuple, CompiledLaunch] = {}  # per sizes, scalars, dtypes and device
 
     def get(self, device: torch.device, numel: int) -> tuple[Tensor, Tensor]:
         found = self._buffers.get(device)
@@ -168,8 +172,8 @@ def fused_routing(states: Tensor, positions: Tensor, pool_weights: Tensor, layer
     """
     batch, _, heads, dim = states.shape
     (w1, b1), (w2, b2), (w3, b3), (w4, b4), (w5, b5) = layers
-    launch = _launch(batch, heads, dim, positions.shape[1], w1.shape[0], w2.shape[0], w3.shape[0], w4.shape[0],
-                     average_heads)
+    sizes = (batch, heads, dim, positions.shape[1], w1.shape[0], w2.shape[0], w3.shape[0], w4.shape[0], average_heads)
+    launch = _launch(*sizes)
     if tuple(t.shape for pair in layers for t in pair) != launch.layers:
         raise ValueError(f"router layers must chain (weight [out, in], bias [out]) as {launch.layers}, got "
                          f"{[tuple(t.shape) for pair in layers for t in pair]}")
@@ -178,12 +182,17 @@ def fused_routing(states: Tensor, positions: Tensor, pool_weights: Tensor, layer
     logits = torch.empty(batch, launch.groups, 2, dtype=w1.dtype, device=device)
     choice = torch.empty(batch, launch.groups, 2, dtype=torch.float32, device=device)
     modes = torch.empty(batch, launch.groups, dtype=torch.long, device=device)
-    scratch, counters = (workspace or RouterWorkspace()).get(device, launch.scratch)
+    workspace = workspace or RouterWorkspace()
+    scratch, counters = workspace.get(device, launch.scratch)
+    scalars = (batch, heads, *states.stride(), full_mode, sparse_mode)
+    key = (sizes, scalars, states.dtype, w1.dtype, device)
+    kernel = workspace.launches.get(key)
+    if kernel is None:
+        kernel = workspace.launches[key] = CompiledLaunch(_router_kernel, launch.grid, scalars, launch.constants,
+                                                          dict(num_warps=8))
     try:
-        _router_kernel[launch.grid](
-            states, positions, pool_weights, w1, b1, w2, b2, w3, b3, w4, b4, w5, b5, logits, choice, modes,
-            scratch, counters, batch, heads, *states.stride(), full_mode, sparse_mode, **launch.constants,
-            num_warps=8)
+        kernel(states, positions, pool_weights, w1, b1, w2, b2, w3, b3, w4, b4, w5, b5, logits, choice, modes,
+               scratch, counters)
     except BaseException:
         counters.zero_()  # a launch stopped part-way (the interpreter) must not leave its tickets to the next one
         raise
