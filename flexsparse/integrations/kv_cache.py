@@ -405,22 +405,19 @@ class SparseKVLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if not self.layer.attached:
-            raise ValueError(f"{self._where()}: this cache was built for an earlier conversion of the model (convert "
-                             "or revert ran since); start a new cache")
+            raise ValueError(f"{self.layer.where}: this cache was built for an earlier conversion of the model "
+                             "(convert or revert ran since); start a new cache")
         if key_states.shape[0] != self.batch or key_states.dtype != self.dtype:
-            raise ValueError(f"{self._where()}: the sparse KV cache holds batch {self.batch} {self.dtype}, got keys "
+            raise ValueError(f"{self.layer.where}: the sparse KV cache holds batch {self.batch} {self.dtype}, got keys "
                              f"of batch {key_states.shape[0]} {key_states.dtype}")
         if key_states.shape[1] != self.layer.attention.num_kv_heads:
-            raise ValueError(f"{self._where()}: keys have {key_states.shape[1]} heads, the layer has "
+            raise ValueError(f"{self.layer.where}: keys have {key_states.shape[1]} heads, the layer has "
                              f"{self.layer.attention.num_kv_heads} KV heads")
         self.layer.stage(self, key_states, value_states)
         self.tokens += key_states.shape[2]
         for group in self.groups:
             group.reserve(key_states, self.tokens)
         return key_states, value_states
-
-    def _where(self) -> str:
-        return f"layer {self.layer.layer_idx} ({self.layer.path})"
 
     def attend(self, q: Tensor, key: Tensor, value: Tensor, mask: ForwardMask | None, scale: float | None) -> Tensor:
         """Attention output ``[B, H, q, d]`` of the staged update: every group as one call."""

@@ -121,6 +121,11 @@ class SparseAttentionLayer(nn.Module):
         self._staged: list[tuple | None] = [None]  # a holder: nn.Module's __setattr__ costs ~5 us per step
 
     @property
+    def where(self) -> str:
+        """How errors name this layer: ``layer i (module path)``."""
+        return f"layer {self.layer_idx} ({self.path})"
+
+    @property
     def mode_names(self) -> list[str]:
         names = list(self.patterns)
         return [names[m] for m in self.modes]
@@ -132,7 +137,7 @@ class SparseAttentionLayer(nn.Module):
     def stage(self, cache_layer: object, key: Tensor, value: Tensor) -> None:
         """Record a cache update of this layer until the attention function takes it."""
         if self._staged[0] is not None:
-            raise ValueError(f"layer {self.layer_idx} ({self.path}): the sparse KV cache was updated twice without "
+            raise ValueError(f"{self.where}: the sparse KV cache was updated twice without "
                              "an attention call between; the model must call transformers' attention function "
                              "right after each cache update")
         self._staged[0] = (cache_layer, key, value)
@@ -144,7 +149,7 @@ class SparseAttentionLayer(nn.Module):
             return None
         cache_layer, staged_key, staged_value = staged
         if staged_key is not key or staged_value is not value:
-            raise ValueError(f"layer {self.layer_idx} ({self.path}): the attention function received other keys or "
+            raise ValueError(f"{self.where}: the attention function received other keys or "
                              "values than the sparse KV cache's update returned (the model transforms them after "
                              "the update); flexsparse's cache cannot serve this model, pass use_cache=False or a "
                              "DynamicCache")

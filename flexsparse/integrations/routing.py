@@ -170,7 +170,7 @@ def routed_layer_attention(layer: SparseAttentionLayer, query: Tensor, key: Tens
     attn = layer.attention
     states, layer.captured = layer.captured, None
     positions = None if mask is None else mask.positions()
-    where = f"layer {layer.layer_idx} ({layer.path})"
+    where = layer.where
     if query.shape[2] == key.shape[2]:
         if states is None or states.shape[0] != query.shape[0] or states.shape[1] != query.shape[2]:
             raise ValueError(f"{where}: the router's states were not captured in this forward (the model did not "

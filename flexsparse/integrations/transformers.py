@@ -81,23 +81,23 @@ def flexsparse_attention(module: nn.Module, query: Tensor, key: Tensor, value: T
         raise ValueError(f"attention module {type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) "
                          "was not converted by flexsparse.convert")
     if kwargs.get("sliding_window") is not None:
-        raise ValueError(f"{_where(layer)}: the model asks for its own sliding window "
+        raise ValueError(f"{layer.where}: the model asks for its own sliding window "
                          f"({kwargs['sliding_window']}); flexsparse replaces the layer's attention pattern, see "
                          "flexsparse.convert")
     for name in _UNSUPPORTED_KWARGS:
         if kwargs.get(name) is not None:
-            raise ValueError(f"{_where(layer)}: flexsparse does not support the attention argument {name!r}")
+            raise ValueError(f"{layer.where}: flexsparse does not support the attention argument {name!r}")
     if dropout and module.training:
-        raise ValueError(f"{_where(layer)}: flexsparse has no attention dropout (got dropout={dropout}); set the "
+        raise ValueError(f"{layer.where}: flexsparse has no attention dropout (got dropout={dropout}); set the "
                          "model's attention_dropout to 0")
     if attention_mask is not None and not isinstance(attention_mask, ForwardMask):
-        raise ValueError(f"{_where(layer)}: flexsparse needs transformers' 2-D padding mask, got a "
+        raise ValueError(f"{layer.where}: flexsparse needs transformers' 2-D padding mask, got a "
                          f"{type(attention_mask).__name__} mask (a prepared 4-D mask, or a model that builds its own "
                          "masks instead of create_causal_mask)")
     scale = None if scaling is None else float(scaling)
     if layer.router is not None:
         if attention_mask is not None and attention_mask.kv_len != key.shape[2]:
-            raise ValueError(f"{_where(layer)}: the mask covers {attention_mask.kv_len} keys, the layer got "
+            raise ValueError(f"{layer.where}: the mask covers {attention_mask.kv_len} keys, the layer got "
                              f"{key.shape[2]}")
         return routed_layer_attention(layer, query, key, value, attention_mask, scale).transpose(1, 2), None
     cache_layer = layer.take_staged(key, value)
@@ -105,16 +105,11 @@ def flexsparse_attention(module: nn.Module, query: Tensor, key: Tensor, value: T
         out = cache_layer.attend(query, key, value, attention_mask, scale)
     else:
         if attention_mask is not None and attention_mask.kv_len != key.shape[2]:
-            raise ValueError(f"{_where(layer)}: the mask covers {attention_mask.kv_len} keys, the layer got "
+            raise ValueError(f"{layer.where}: the mask covers {attention_mask.kv_len} keys, the layer got "
                              f"{key.shape[2]}")
         positions = None if attention_mask is None else attention_mask.positions()
         out = layer.attention(query, key, value, positions=positions, scale=scale)
     return out.transpose(1, 2), None
-
-
-def _where(layer: SparseAttentionLayer) -> str:
-    """How errors name a layer (built only when raising: a decode step's host time counts)."""
-    return f"layer {layer.layer_idx} ({layer.path})"
 
 
 def register() -> None:

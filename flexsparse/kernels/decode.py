@@ -633,7 +633,7 @@ class DecodeStep:
     strides and dtypes on q's device, the same ``kv_start`` and scale.
     """
 
-    __slots__ = ("scale", "_plan", "_buffers", "_layout")
+    __slots__ = ("scale", "_plan", "_buffers", "_layout", "_first")
 
     def __init__(self, q: Tensor, k_new: Tensor, v_new: Tensor, groups: Sequence[DecodeGroup],
                  scale: float | None = None, *, splits: int | None = None, block_n: int | None = None) -> None:
@@ -644,6 +644,7 @@ class DecodeStep:
                     raise ValueError(f"{name} [B, H, 1, d] must hold one token, got shape {list(t.shape)}")
                 views[i] = t[:, :, 0]
         self._plan = _step_plan(*views, groups, scale, None, splits, block_n)[0]
+        self._first = -1 if groups[0].kv_start else 0  # the group the kernel takes first (the one of KV head 0)
         self.scale = scale
         self._buffers = tuple((group.keys, group.values) for group in groups)
         self._layout = _step_layout(q, k_new, v_new, groups)
@@ -659,12 +660,8 @@ class DecodeStep:
         """One step: ``[B, Hq, d]`` (``[B, Hq, 1, d]`` for 4-D q) in q's dtype; the arguments must be ones
         :meth:`accepts` takes (not re-checked)."""
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # its [B, Hq, d] strides are the plan's
-        plan = self._plan
-        if plan.split is not None:
-            first, second = groups[0], groups[-1]
-            if first.kv_start:
-                first, second = second, first
-            _launch(plan, q, out, k_new, v_new, first, second)  # a [B, H, 1, d] tensor: the pointer of its view
+        if self._plan.split is not None:  # a [B, H, 1, d] tensor passes the pointer of its [B, H, d] view
+            _launch(self._plan, q, out, k_new, v_new, groups[self._first], groups[-1 - self._first])
         return out
 
 
