@@ -1,0 +1,49 @@
+"""Host time against wall time of the sparse cache's decode step at batch 1 and 131,072 cached tokens (bench_hf's
+decode setup: 32 q / 8 kv heads, d = 128, bf16, 2 full + 6 sink-128/window-2048 KV heads; 1 and 4 layers per
+step), then a cProfile of the 4-layer step (the default one-launch path). Run on a CUDA GPU:
+
+    python bench/profile_decode_host.py
+"""
+
+import cProfile
+import pstats
+import sys
+import time
+
+import torch
+
+from flexsparse.tools.bench_hf import HfBenchConfig, decode_setup
+
+
+def host_and_wall(fn, calls: int = 300) -> str:
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - start) / calls
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - start) / calls
+    return f"host {host * 1e6:7.1f} us, wall {wall * 1e6:7.1f} us"
+
+
+def main() -> None:
+    config = HfBenchConfig()
+    for layers in (1, 4):
+        setup = decode_setup(config, 1, layers, False)
+        print(f"{layers} layers: one launch ", host_and_wall(setup.timed["flexsparse"]))
+        print(f"{layers} layers: per group  ", host_and_wall(setup.timed["flexsparse_per_group"]))
+        print(f"{layers} layers: sdpa        ", host_and_wall(setup.timed["sdpa_all_full"]))
+    step = setup.timed["flexsparse"]
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(300):
+        step()
+    profiler.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(profiler, stream=sys.stdout).sort_stats("tottime").print_stats(30)
+
+
+if __name__ == "__main__":
+    main()
