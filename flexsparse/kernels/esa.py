@@ -7,19 +7,21 @@ exploit: for one head and one slot j, the key ``b_j(p)`` of query position p is 
 position (tests check both claims; an odd ``num_heads`` can step by two). So BM consecutive positions read, per
 (head, slot), a contiguous range of at most BM keys:
 
-* forward and dQ (query-major): a program takes BM position-ordered queries of the G query heads of one KV head
-  (one warp per head) and, for each slot, loads each head's key range as a [BM, d] tile (rows through
-  ``key_slots`` where given), computes the [BM, BM] score tile on tensor cores and keeps, per query, the one column
-  that holds its key (online softmax over the w slots). When a block's real rows are not consecutive positions
-  (padding in the middle, gaps) or keys can step by two, it visits as many tiles per slot as its keys need;
+* forward and dQ (query-major): a program takes BM position-ordered queries of one query head (forward: one warp;
+  the heads of a KV group take neighbouring programs) or of the G query heads of one KV head (dQ: one warp per
+  head) and, for each slot, loads each head's key range as a [BM, d] tile (rows through ``key_slots`` where
+  given), computes the [BM, BM] score tile on tensor cores and keeps, per query, the one column that holds its key
+  (online softmax over the w slots). When a block's real rows are not consecutive positions (padding in the
+  middle, gaps) or keys can step by two, it visits as many tiles per slot as its keys need;
 * dK/dV (key-major, no atomics, so every path is deterministic): a program owns BN key positions of one KV head
   and, for each head of the group and each slot, binary-searches the contiguous range of position-ordered queries
   whose slot-j key falls in it, then accumulates ``P^T dO`` and ``dS^T Q`` in fp32;
 * decode (fewer than 16 queries): one program per query row gathers its w keys for the G heads of a group.
 
-16-bit inputs: scores and gradients accumulate in fp32, and the fp32 left operands of the P @ V, dS @ K, P^T @ dO
-and dS^T @ Q dots enter as two 16-bit parts (hi + lo), so bf16 gradients stay at the rounding level of a dense
-path; the forward's P split is ``KERNEL_CONFIG["forward_split"]``.
+16-bit inputs: scores and gradients accumulate in fp32, and the fp32 left operands of the dS @ K, P^T @ dO and
+dS^T @ Q dots enter as two 16-bit parts (hi + lo), so bf16 gradients stay at the rounding level of a dense path;
+the forward rounds P to 16 bits once for P @ V, as dense bf16 attention does (``KERNEL_CONFIG["forward_split"]``
+splits it too, ~10% slower on the H100).
 
 Positions: query row i sits at ``S_kv - S_q + i`` unless ``q_positions`` says otherwise (-1 = padding; queries are
 processed in position order, a stable sort of the rows); key position p lives in slot ``key_slots[b, p]`` (slot p
@@ -50,22 +52,17 @@ BLOCK_KEYS = 16
 DECODE_MAX_QUERIES = BLOCK_QUERIES - 1
 """Up to this many queries per sequence, the per-row gather kernel runs instead of the tile kernel."""
 KERNEL_CONFIG = {
-    "heads_per_program": 0,  # query heads of one KV group per forward/dQ program; 0: the whole group
-    "forward_warps": 0,  # 0: one warp per head of the program
-    "forward_stages": 2,
-    "lazy_rescale": True,  # rescale the running output only when some row's max grew by more than 2**8
-    "forward_split": True,  # P enters P @ V as two 16-bit parts (False: one, as FlashAttention; dQ error 2.3x)
-    "dq_warps": 0,
+    "forward_stages": 2,  # cp.async stages of the forward's key tiles (one warp per program)
+    "forward_split": False,  # P enters P @ V as two 16-bit parts (False: rounded once, as dense bf16 attention)
     "dkdv_warps": 2,  # 2: no spills in the loop, fewest instructions per query block (SASS)
     "dkdv_queries": 16,
     "decode_warps": 4,
 }
-"""Launch settings, chosen from the compiler's SASS (instruction counts per slot) on CPU: docs/notes/esa-kernel.md."""
+"""Launch settings, chosen by H100 measurements and the compiler's SASS: docs/notes/esa-kernel.md."""
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _LOG2E = 1.4426950408889634
 _BIG = tl.constexpr(1 << 30)
-_RESCALE_THRESHOLD = tl.constexpr(8.0)  # log2 units: the running max may lag the true max by 2**8
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -180,7 +177,9 @@ def _key_range_tiles(K_B, V_B, SLOTS_B, key, ok, lo, hi, stride_ks, stride_vs, k
     row_k, row_v = _row_offsets(slot, stride_ks, stride_vs, WIDE, SAME_KV_STRIDE)
     k = tl.load(K_B + row_k[:, :, None] + dims[None, None, :], mask=present[:, :, None], other=0.0)
     v = tl.load(V_B + row_v[:, :, None] + dims[None, None, :], mask=present[:, :, None], other=0.0)
-    select = ((key - lo[:, None])[:, :, None] == cols[None, None, :]) & ok[:, :, None] & present[:, None, :]
+    select = ((key - lo[:, None])[:, :, None] == cols[None, None, :]) & ok[:, :, None]
+    if HAS_SLOTS:  # without key slots a real row's key, in [lo, hi] and < S_kv, is always present
+        select = select & present[:, None, :]
     return k, v, select
 
 
@@ -200,75 +199,81 @@ def _dot_fp32_lhs(a, b, acc, PRECISION: tl.constexpr, SPLIT: tl.constexpr):
 
 
 @triton.jit
-def _forward_chunk(q, acc, l_sum, m_max, key, ok, lo, hi, K_B, V_B, SLOTS_B, stride_ks, stride_vs, kv_len, span,
-                   scale_log2, BM: tl.constexpr, D: tl.constexpr, HAS_SLOTS: tl.constexpr, WIDE: tl.constexpr,
-                   SAME_KV_STRIDE: tl.constexpr, LAZY_RESCALE: tl.constexpr, PRECISION: tl.constexpr,
-                   SPLIT: tl.constexpr):
-    """Online-softmax step over one key tile per head: each query row gains at most one key."""
-    k, v, select = _key_range_tiles(K_B, V_B, SLOTS_B, key, ok, lo, hi, stride_ks, stride_vs, kv_len, span, BM,
-                                    D, HAS_SLOTS, WIDE, SAME_KV_STRIDE)
-    scores = tl.dot(q, tl.trans(k, 0, 2, 1), input_precision=PRECISION)
-    score = tl.max(tl.where(select, scores, float("-inf")), axis=2) * scale_log2  # [HEADS, BM], -inf: no key
-    m_new = tl.maximum(m_max, score)
-    if LAZY_RESCALE:  # rescale only when some row's max grew by more than 2**8
-        if tl.max(m_new - m_max) > _RESCALE_THRESHOLD:
-            alpha = tl.math.exp2(m_max - m_new)
-            acc = acc * alpha[:, :, None]
-            l_sum = l_sum * alpha
-            m_max = m_new
-    else:
-        alpha = tl.math.exp2(m_max - m_new)
-        acc = acc * alpha[:, :, None]
-        l_sum = l_sum * alpha
-        m_max = m_new
-    p = tl.math.exp2(score - m_max)
-    l_sum += p
-    acc = _dot_fp32_lhs(tl.where(select, p[:, :, None], 0.0), v, acc, PRECISION, SPLIT)
-    return acc, l_sum, m_max
+def _key_range_tile(K_B, V_B, SLOTS_B, key, ok, lo, hi, stride_ks, stride_vs, kv_len, span,
+                    BM: tl.constexpr, D: tl.constexpr, HAS_SLOTS: tl.constexpr, WIDE: tl.constexpr,
+                    SAME_KV_STRIDE: tl.constexpr):
+    """One head's K and V tiles [BM, D] of key positions lo + c (c < BM, rows past hi skipped; lo, hi scalars) and
+    the selection [BM queries, BM columns]: column c holds query r's key."""
+    cols = tl.arange(0, BM)
+    dims = tl.arange(0, D)
+    kpos = lo + cols
+    slot, present = _key_slots(kpos, kpos <= hi, SLOTS_B, kv_len, span, HAS_SLOTS)
+    row_k, row_v = _row_offsets(slot, stride_ks, stride_vs, WIDE, SAME_KV_STRIDE)
+    k = tl.load(K_B + row_k[:, None] + dims[None, :], mask=present[:, None], other=0.0)
+    v = tl.load(V_B + row_v[:, None] + dims[None, :], mask=present[:, None], other=0.0)
+    select = ((key - lo)[:, None] == cols[None, :]) & ok[:, None]
+    if HAS_SLOTS:  # without key slots a real row's key, in [lo, hi] and < S_kv, is always present
+        select = select & present[None, :]
+    return k, v, select
 
 
 @triton.jit
-def _forward_slots(q, pos, real, head, head_ok, first_real, last_real, K_B, V_B, SLOTS_B, stride_ks, stride_vs,
-                   kv_len, span, layer_weight, scale_log2, NUM_HEADS: tl.constexpr, HEADS: tl.constexpr,
-                   W: tl.constexpr, LAYER_DEN: tl.constexpr, BM: tl.constexpr, D: tl.constexpr,
-                   HAS_SLOTS: tl.constexpr, WIDE: tl.constexpr, SAME_KV_STRIDE: tl.constexpr, ONE_TILE: tl.constexpr,
-                   LAZY_RESCALE: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr):
-    """Online softmax over the w slots: (acc [HEADS, BM, D], row sums, row maxima).
+def _forward_chunk(q, acc, l_sum, m_max, key, ok, lo, hi, K_B, V_B, SLOTS_B, stride_ks, stride_vs, kv_len, span,
+                   scale_log2, BM: tl.constexpr, D: tl.constexpr, HAS_SLOTS: tl.constexpr, WIDE: tl.constexpr,
+                   SAME_KV_STRIDE: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr):
+    """Online-softmax step over one key tile: each query row gains at most one key."""
+    k, v, select = _key_range_tile(K_B, V_B, SLOTS_B, key, ok, lo, hi, stride_ks, stride_vs, kv_len, span, BM, D,
+                                   HAS_SLOTS, WIDE, SAME_KV_STRIDE)
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    score = tl.max(tl.where(select, scores, float("-inf")), axis=1) * scale_log2  # [BM], -inf: no key
+    m_new = tl.maximum(m_max, score)
+    alpha = tl.math.exp2(m_max - m_new)  # every step: a conditional rescale measured slower on the H100
+    p = tl.math.exp2(score - m_new)
+    acc = _dot_fp32_lhs(tl.where(select, p[:, None], 0.0), v, acc * alpha[:, None], PRECISION, SPLIT)
+    return acc, l_sum * alpha + p, m_new
+
+
+@triton.jit
+def _forward_slots(q, pos, real, head, first_real, last_real, K_B, V_B, SLOTS_B, stride_ks, stride_vs, kv_len, span,
+                   layer_weight, scale_log2, NUM_HEADS: tl.constexpr, W: tl.constexpr, LAYER_DEN: tl.constexpr,
+                   BM: tl.constexpr, D: tl.constexpr, HAS_SLOTS: tl.constexpr, WIDE: tl.constexpr,
+                   SAME_KV_STRIDE: tl.constexpr, ONE_TILE: tl.constexpr, PRECISION: tl.constexpr,
+                   SPLIT: tl.constexpr):
+    """Online softmax of one head over the w slots: (acc [BM, D], row sums, row maxima).
 
     ONE_TILE: the real rows hold consecutive positions first_real..last_real and keys step by <= 1, so one tile per
     slot, from the key of first_real to that of last_real (scalars, no reductions), holds every row's key.
     Otherwise the tiles that hold some row's key are visited in increasing order.
     """
-    acc = tl.zeros([HEADS, BM, D], dtype=tl.float32)
-    l_sum = tl.zeros([HEADS, BM], dtype=tl.float32)
-    m_max = tl.full([HEADS, BM], -1.0e30, dtype=tl.float32)
+    acc = tl.zeros([BM, D], dtype=tl.float32)
+    l_sum = tl.zeros([BM], dtype=tl.float32)
+    m_max = tl.full([BM], -1.0e30, dtype=tl.float32)
     start, window = _start_and_window(pos, layer_weight, W, LAYER_DEN)
     start_first, window_first = _start_and_window(first_real, layer_weight, W, LAYER_DEN)
     start_last, window_last = _start_and_window(last_real, layer_weight, W, LAYER_DEN)
     base, base_first, base_last = start, start_first, start_last
     for j in range(W):
         next_base = _slot_base(start, window, j + 1, W)
-        key = _head_key(base[None, :], next_base[None, :], head[:, None], NUM_HEADS)  # [HEADS, BM]
-        ok = real[None, :] & head_ok[:, None] & (key <= pos[None, :])
+        key = _head_key(base, next_base, head, NUM_HEADS)  # [BM]
+        ok = real & (key <= pos)
         if ONE_TILE:
             next_first = _slot_base(start_first, window_first, j + 1, W)
             next_last = _slot_base(start_last, window_last, j + 1, W)
             lo = _head_key(base_first, next_first, head, NUM_HEADS)
-            hi = tl.where(head_ok, _head_key(base_last, next_last, head, NUM_HEADS), -1)
+            hi = _head_key(base_last, next_last, head, NUM_HEADS)
             acc, l_sum, m_max = _forward_chunk(q, acc, l_sum, m_max, key, ok, lo, hi, K_B, V_B, SLOTS_B,
                                                stride_ks, stride_vs, kv_len, span, scale_log2, BM, D, HAS_SLOTS,
-                                               WIDE, SAME_KV_STRIDE, LAZY_RESCALE, PRECISION, SPLIT)
+                                               WIDE, SAME_KV_STRIDE, PRECISION, SPLIT)
             base_first, base_last = next_first, next_last
         else:
             pending = tl.where(ok, key, _BIG)
-            lo = tl.min(pending, axis=1)
-            hi = tl.max(tl.where(ok, key, -1), axis=1)
-            while tl.min(lo, axis=0) < _BIG:
+            lo = tl.min(pending, axis=0)
+            hi = tl.max(tl.where(ok, key, -1), axis=0)
+            while lo < _BIG:
                 acc, l_sum, m_max = _forward_chunk(q, acc, l_sum, m_max, key, ok, lo, hi, K_B, V_B, SLOTS_B,
                                                    stride_ks, stride_vs, kv_len, span, scale_log2, BM, D,
-                                                   HAS_SLOTS, WIDE, SAME_KV_STRIDE, LAZY_RESCALE, PRECISION,
-                                                   SPLIT)
-                lo = tl.min(tl.where(pending >= lo[:, None] + BM, pending, _BIG), axis=1)
+                                                   HAS_SLOTS, WIDE, SAME_KV_STRIDE, PRECISION, SPLIT)
+                lo = tl.min(tl.where(pending >= lo + BM, pending, _BIG), axis=0)
         base = next_base
     return acc, l_sum, m_max
 
@@ -292,50 +297,51 @@ def _esa_forward_kernel(
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_ob, stride_oh, stride_os, stride_pos_b, stride_slots_b,
     q_len, kv_len, span, first_pos, layer_weight, scale_log2, head_offset,
-    NUM_HEADS: tl.constexpr, PATTERN_HEADS: tl.constexpr, GROUP: tl.constexpr, HEADS: tl.constexpr, W: tl.constexpr,
+    NUM_HEADS: tl.constexpr, PATTERN_HEADS: tl.constexpr, GROUP: tl.constexpr, W: tl.constexpr,
     LAYER_DEN: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, HAS_POSITIONS: tl.constexpr,
     HAS_SLOTS: tl.constexpr, WIDE: tl.constexpr, SAME_KV_STRIDE: tl.constexpr, STEP_ONE: tl.constexpr,
-    LAZY_RESCALE: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,
+    PRECISION: tl.constexpr, SPLIT: tl.constexpr,
 ):
-    """O [B, H, S_q, D] and LSE [B, H, S_q] (log2 units) for BM position-ordered queries x HEADS heads."""
-    batch, kv_head, head, head_ok = _program_heads(tl.program_id(1), NUM_HEADS, GROUP, HEADS)
-    r = tl.program_id(0) * BM + tl.arange(0, BM)
+    """O [B, H, S_q, D] and LSE [B, H, S_q] (log2 units) for BM position-ordered queries of one head.
+
+    Grid (query blocks x GROUP, B x KV heads): the heads of a group take neighbouring programs, so they run together
+    and read the group's K/V rows while they are in L2."""
+    block = tl.program_id(0) // GROUP
+    batch = tl.program_id(1) // (NUM_HEADS // GROUP)
+    kv_head = tl.program_id(1) % (NUM_HEADS // GROUP)
+    head = kv_head * GROUP + tl.program_id(0) % GROUP
+    r = block * BM + tl.arange(0, BM)
     row, pos, real = _query_rows(r, batch, q_len, span, first_pos, SORTED_POS, ORDER, stride_pos_b, HAS_POSITIONS)
     dims = tl.arange(0, D)
-    head64, row64, batch64 = head.to(tl.int64), row.to(tl.int64), batch.to(tl.int64)
-    q_mask = head_ok[:, None, None] & real[None, :, None]
-    q = tl.load(Q + batch64 * stride_qb + head64[:, None, None] * stride_qh + row64[None, :, None] * stride_qs
-                + dims[None, None, :], mask=q_mask, other=0.0)
+    row64, batch64, head64 = row.to(tl.int64), batch.to(tl.int64), head.to(tl.int64)
+    q = tl.load(Q + batch64 * stride_qb + head64 * stride_qh + row64[:, None] * stride_qs + dims[None, :],
+                mask=real[:, None], other=0.0)
     K_B = K + batch64 * stride_kb + kv_head.to(tl.int64) * stride_kh
     V_B = V + batch64 * stride_vb + kv_head.to(tl.int64) * stride_vh
     SLOTS_B = KEY_SLOTS + batch64 * stride_slots_b
 
-    first_real, last_real, consecutive = _position_span(pos, real, first_pos + tl.program_id(0) * BM, BM,
-                                                        HAS_POSITIONS)
+    first_real, last_real, consecutive = _position_span(pos, real, first_pos + block * BM, BM, HAS_POSITIONS)
     one_tile = False
     if STEP_ONE:
         one_tile = consecutive  # a run-time choice per block with q_positions (padding, gaps)
     if one_tile:
-        acc, l_sum, m_max = _forward_slots(q, pos, real, head + head_offset, head_ok, first_real, last_real, K_B,
-                                           V_B, SLOTS_B, stride_ks, stride_vs, kv_len, span, layer_weight,
-                                           scale_log2, PATTERN_HEADS,
-                                           HEADS, W, LAYER_DEN, BM, D, HAS_SLOTS, WIDE, SAME_KV_STRIDE, True,
-                                           LAZY_RESCALE, PRECISION, SPLIT)
+        acc, l_sum, m_max = _forward_slots(q, pos, real, head + head_offset, first_real, last_real, K_B, V_B,
+                                           SLOTS_B, stride_ks, stride_vs, kv_len, span, layer_weight, scale_log2,
+                                           PATTERN_HEADS, W, LAYER_DEN, BM, D, HAS_SLOTS, WIDE, SAME_KV_STRIDE,
+                                           True, PRECISION, SPLIT)
     else:
-        acc, l_sum, m_max = _forward_slots(q, pos, real, head + head_offset, head_ok, first_real, last_real, K_B,
-                                           V_B, SLOTS_B, stride_ks, stride_vs, kv_len, span, layer_weight,
-                                           scale_log2, PATTERN_HEADS,
-                                           HEADS, W, LAYER_DEN, BM, D, HAS_SLOTS, WIDE, SAME_KV_STRIDE, False,
-                                           LAZY_RESCALE, PRECISION, SPLIT)
+        acc, l_sum, m_max = _forward_slots(q, pos, real, head + head_offset, first_real, last_real, K_B, V_B,
+                                           SLOTS_B, stride_ks, stride_vs, kv_len, span, layer_weight, scale_log2,
+                                           PATTERN_HEADS, W, LAYER_DEN, BM, D, HAS_SLOTS, WIDE, SAME_KV_STRIDE,
+                                           False, PRECISION, SPLIT)
 
     has_keys = l_sum > 0
     l_safe = tl.where(has_keys, l_sum, 1.0)
-    out = acc / l_safe[:, :, None]
-    store = head_ok[:, None] & (r < q_len)[None, :]
-    tl.store(O + batch64 * stride_ob + head64[:, None, None] * stride_oh + row64[None, :, None] * stride_os
-             + dims[None, None, :], out.to(O.dtype.element_ty), mask=store[:, :, None])
+    store = r < q_len
+    tl.store(O + batch64 * stride_ob + head64 * stride_oh + row64[:, None] * stride_os + dims[None, :],
+             (acc / l_safe[:, None]).to(O.dtype.element_ty), mask=store[:, None])
     lse = tl.where(has_keys, m_max + tl.math.log2(l_safe), float("inf"))
-    tl.store(LSE + (batch64 * NUM_HEADS + head64[:, None]) * q_len + row64[None, :], lse, mask=store)
+    tl.store(LSE + (batch64 * NUM_HEADS + head64) * q_len + row64, lse, mask=store)
 
 
 @triton.jit
@@ -656,8 +662,8 @@ class _Launch:
                 self.head_offset)
 
     def heads_per_program(self) -> int:
-        chosen = KERNEL_CONFIG["heads_per_program"] or self.group
-        return triton.next_power_of_2(min(chosen, self.group, 8))  # one warp per head, at most 8 warps
+        """Query heads per dQ or decode program: the whole KV group, at most 8 (one warp per head)."""
+        return triton.next_power_of_2(min(self.group, 8))
 
 
 def _strides(t: Tensor) -> tuple[int, int, int]:
@@ -679,23 +685,22 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, launch: _Launch) -> tuple[Tensor, 
     batch, heads, q_len, dim = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, heads, q_len, dtype=torch.float32, device=q.device)
-    per_program = launch.heads_per_program()
-    programs = batch * (heads // launch.group) * triton.cdiv(launch.group, per_program)
-    common = dict(NUM_HEADS=heads, PATTERN_HEADS=launch.num_heads, GROUP=launch.group, HEADS=per_program,
-                  W=launch.attn_length,
-                  LAYER_DEN=launch.layer_den, D=dim, HAS_POSITIONS=launch.sorted_pos is not None,
-                  HAS_SLOTS=launch.key_slots is not None, **_row_offset_kinds(k, v))
     sorted_pos, order, slots, stride_pos, stride_slots = launch.position_args(q.device)
     args = (q, k, v, out, lse, sorted_pos, order, slots, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
             stride_pos, stride_slots, *launch.rule_args())
+    common = dict(NUM_HEADS=heads, PATTERN_HEADS=launch.num_heads, GROUP=launch.group, W=launch.attn_length,
+                  LAYER_DEN=launch.layer_den, D=dim, HAS_POSITIONS=launch.sorted_pos is not None,
+                  HAS_SLOTS=launch.key_slots is not None, **_row_offset_kinds(k, v))
+    kv_heads = heads // launch.group
     if q_len <= DECODE_MAX_QUERIES:
+        per_program = launch.heads_per_program()
         slots = min(triton.next_power_of_2(launch.attn_length), 64 // per_program)  # [heads, slots, d] tiles
-        _esa_decode_kernel[(q_len, programs)](*args, SLOTS=slots, num_warps=KERNEL_CONFIG["decode_warps"], **common)
+        _esa_decode_kernel[(q_len, batch * kv_heads * triton.cdiv(launch.group, per_program))](
+            *args, HEADS=per_program, SLOTS=slots, num_warps=KERNEL_CONFIG["decode_warps"], **common)
     else:
-        _esa_forward_kernel[(triton.cdiv(q_len, BLOCK_QUERIES), programs)](
-            *args, BM=BLOCK_QUERIES, STEP_ONE=launch.step_one, LAZY_RESCALE=KERNEL_CONFIG["lazy_rescale"],
-            PRECISION=launch.precision, SPLIT=launch.split and KERNEL_CONFIG["forward_split"],
-            num_warps=KERNEL_CONFIG["forward_warps"] or per_program,
+        _esa_forward_kernel[(triton.cdiv(q_len, BLOCK_QUERIES) * launch.group, batch * kv_heads)](
+            *args, BM=BLOCK_QUERIES, STEP_ONE=launch.step_one, PRECISION=launch.precision,
+            SPLIT=launch.split and KERNEL_CONFIG["forward_split"], num_warps=1,
             num_stages=KERNEL_CONFIG["forward_stages"], **common)
     return out, lse
 
@@ -718,7 +723,7 @@ def _backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
         q, k, v, out, do, dq, lse, delta, sorted_pos, order, slots, *_strides(q), *_strides(k), *_strides(v),
         *_strides(out), *_strides(do), *_strides(dq), stride_pos, stride_slots, *launch.rule_args(), launch.scale,
         HEADS=per_program, BM=BLOCK_QUERIES, STEP_ONE=launch.step_one,
-        num_warps=KERNEL_CONFIG["dq_warps"] or per_program, **offsets, **common)
+        num_warps=per_program, **offsets, **common)
     if not need_dkdv:
         return dq, None, None
     # without key_slots every slot is some key position's and gets written; with them, unused slots stay 0
