@@ -8,24 +8,16 @@ step), then a cProfile of the 4-layer step (the default one-launch path). Run on
 import cProfile
 import pstats
 import sys
-import time
 
 import torch
+from host_timing import host_and_wall_us
 
 from flexsparse.tools.bench_hf import HfBenchConfig, decode_setup
 
 
 def host_and_wall(fn, calls: int = 300) -> str:
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    host = (time.perf_counter() - start) / calls
-    torch.cuda.synchronize()
-    wall = (time.perf_counter() - start) / calls
-    return f"host {host * 1e6:7.1f} us, wall {wall * 1e6:7.1f} us"
+    host, wall = host_and_wall_us(fn, calls)
+    return f"host {host:7.1f} us, wall {wall:7.1f} us"
 
 
 def main() -> None:

@@ -5,9 +5,9 @@ router on 32 query heads; fused kernel and torch path; 8K, 128K and 1M tokens.
     python bench/profile_router_host.py
 """
 
-import time
 
 import torch
+from host_timing import host_and_wall_us
 from torch.profiler import ProfilerActivity, profile
 
 from flexsparse.routers import HeadRouter, LayerRouter, boundary_positions
@@ -15,21 +15,13 @@ from flexsparse.routers import HeadRouter, LayerRouter, boundary_positions
 
 def times(fn, calls: int = 200) -> tuple[float, float, float]:
     """(host us, wall us per call back to back, GPU kernel us per call) of ``fn``."""
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    host = (time.perf_counter() - start) / calls
-    torch.cuda.synchronize()
-    wall = (time.perf_counter() - start) / calls
+    host, wall = host_and_wall_us(fn, calls)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(50):
             fn()
         torch.cuda.synchronize()
     gpu = sum(event.device_time_total for event in prof.key_averages()) / 50
-    return host * 1e6, wall * 1e6, gpu
+    return host, wall, gpu
 
 
 def main() -> None:
