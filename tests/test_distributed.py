@@ -42,11 +42,11 @@ def exchange_bytes(world: int, element_size: int = 4) -> tuple[int, int]:
     """(q/k/v in, output back) bytes one rank sends to the others: of its S/P tokens, the (P-1)/P of the heads
     that other ranks run."""
     tokens = B * S // world
-    others = (world - 1) / world
-    return int(tokens * (H + 2 * H_KV) * D * element_size * others), int(tokens * H * D * element_size * others)
+    return (tokens * (H + 2 * H_KV) * D * element_size * (world - 1) // world,
+            tokens * H * D * element_size * (world - 1) // world)
 
 
-def check_against_whole(sp: UlyssesAttention, modes=None, mask_given=None, grad=True, **kwargs) -> None:
+def check_against_whole(sp: UlyssesAttention, modes=None, mask_given=None, **kwargs) -> None:
     """The rank's output shard and q/k/v gradient shards equal the slices of the single-process run (on the
     whole sequence, same seed on every rank). ``mask_given``: "whole" or "shard" padding mask; kwargs go to both
     calls."""
@@ -55,19 +55,18 @@ def check_against_whole(sp: UlyssesAttention, modes=None, mask_given=None, grad=
     k, v = (torch.randn(B, H_KV, S, D, generator=gen) for _ in range(2))
     weight = torch.randn(B, H, S, D, generator=gen)
     mask = None if mask_given is None else padding_mask()
-    whole = [t.clone().requires_grad_(grad) for t in (q, k, v)]
+    whole = [t.clone().requires_grad_() for t in (q, k, v)]
     expected = sp.attn(*whole, modes, key_padding_mask=mask, **kwargs)
-    shards = [shard_sequence(t).clone().requires_grad_(grad) for t in (q, k, v)]
+    shards = [shard_sequence(t).clone().requires_grad_() for t in (q, k, v)]
     given = shard_sequence(mask, dim=1) if mask_given == "shard" else mask
     out = sp(*shards, modes, key_padding_mask=given, **kwargs)
     torch.testing.assert_close(out, shard_sequence(expected), atol=ATOL, rtol=0)
-    if grad:
-        (expected * weight).sum().backward()
-        (out * shard_sequence(weight)).sum().backward()
-        for name, shard, full in zip("qkv", shards, whole):
-            assert full.grad.abs().sum() > 0, f"{name}: the reference gradient is zero (the test would be vacuous)"
-            torch.testing.assert_close(shard.grad, shard_sequence(full.grad), atol=ATOL, rtol=0,
-                                       msg=lambda m, name=name: f"gradient of {name}: {m}")
+    (expected * weight).sum().backward()
+    (out * shard_sequence(weight)).sum().backward()
+    for name, shard, full in zip("qkv", shards, whole):
+        assert full.grad.abs().sum() > 0, f"{name}: the reference gradient is zero (the test would be vacuous)"
+        torch.testing.assert_close(shard.grad, shard_sequence(full.grad), atol=ATOL, rtol=0,
+                                   msg=lambda m, name=name: f"gradient of {name}: {m}")
 
 
 def checks(rank: int, world: int) -> None:
