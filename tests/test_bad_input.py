@@ -2,6 +2,7 @@
 masks in routers, padding-only rows in last_stats, what NaN inputs give per backend, corrupted saved configs."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -92,7 +93,7 @@ def test_batch_zero_is_refused():
     with pytest.raises(ValueError, match="batch 0"):
         layer()(q[:0], k[:0], v[:0])
     for router, heads in ((HeadRouter(16, 4), 2), (LayerRouter(16, 4), 4)):
-        with pytest.raises(ValueError, match=r"B >= 1 .*\(0, 10, %d, 16\)" % heads):
+        with pytest.raises(ValueError, match=rf"B >= 1 .*\(0, 10, {heads}, 16\)"):
             router.route(torch.randn(0, 10, heads, 16))
     with pytest.raises(ValueError, match="states have batch 0"):
         boundary_pool(torch.randn(0, 10, 2, 16))
@@ -120,6 +121,18 @@ def test_routers_refuse_nan_and_inf_states_they_pool(cls, heads, bad, training):
     mask = torch.ones(3, 20, dtype=torch.bool)
     mask[2, 17:] = False  # token 18 is padding now: not pooled
     router.route(pooled, mask)
+
+
+@pytest.mark.usefixtures("triton_interpreter_scalars")  # the CPU run: conftest.py
+@pytest.mark.parametrize("cls,heads", [(HeadRouter, 2), (LayerRouter, 4)])
+def test_the_fused_kernel_path_refuses_them_too(cls, heads):
+    """The fused kernel (interpreted on a CPU, so checked; on CUDA with check_finite) reads the same tokens."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    router = cls(16, pool_size=3, check_finite=True).to(device).eval()
+    states = torch.randn(2, 20, heads, 16, device=device)
+    states[0, 1] = float("nan")
+    with torch.no_grad(), pytest.raises(ValueError, match=r"hold NaN or inf \(sequences \[0\]\)"):
+        router.route(states, fused=True)
 
 
 def test_router_weights_with_nan_are_named():
@@ -177,7 +190,7 @@ def test_last_stats_count_a_padding_only_row_as_nothing(backend):
     assert padded == pytest.approx(attn.last_stats.as_dict(), abs=1e-6)
     attn(q[1:2], k[1:2], v[1:2], key_padding_mask=mask[1:2])  # nothing real at all: no ratio
     stats = attn.last_stats.as_dict()
-    assert all(value != value for value in stats.values()), stats
+    assert all(math.isnan(value) for value in stats.values()), stats
 
 
 def test_last_stats_of_a_decode_step_whose_new_token_is_padding():

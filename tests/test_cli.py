@@ -162,7 +162,7 @@ def test_show_writes_a_png(tmp_path):
 
 def test_show_layers_draws_what_varies_by_layer(tmp_path, monkeypatch):
     """ESA rows differ by layer (their layer_idx is the row); a layer-independent pattern is drawn once."""
-    import flexsparse.tools.pictures as pictures
+    from flexsparse.tools import pictures
 
     drawn = {}
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 README = Path(__file__).resolve().parent.parent / "README.md"
-FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.S | re.M)
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.DOTALL | re.MULTILINE)
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*flex_attention called without torch.compile.*")
 
@@ -35,4 +35,4 @@ def test_python_block_runs(line, code, tmp_path, monkeypatch):
         pytest.importorskip("transformers")
     monkeypatch.chdir(tmp_path)  # blocks may write files (save_config)
     torch.manual_seed(0)
-    exec(compile(code, f"README.md, block at line {line}", "exec"), {"__name__": "__readme__"})
+    exec(compile(code, f"README.md, block at line {line}", "exec"), {"__name__": "__readme__"})  # noqa: S102
