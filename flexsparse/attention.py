@@ -30,11 +30,17 @@ from flexsparse.validation import as_float, as_int
 
 Backend = Literal["auto", "flex", "flex_eager", "dense"]
 BACKENDS = ("auto", "flex", "flex_eager", "dense")
+CallModes = Tensor | int | str | Sequence[str | int] | None
+"""Per-call modes: None (the defaults), an int tensor ``[H_kv]`` / ``[B, H_kv]``, one name or index for every head,
+or a list of names or indices, one per KV head."""
+CPU_COMPILED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+"""The dtypes compiled flex_attention runs on a CPU (inductor refuses float64 there)."""
 
 
 @dataclass
 class AttentionStats:
-    """Sparsity of the last call. Tensors (no host sync until read); ``as_dict`` gives floats."""
+    """Sparsity of the last call. Tensors (no host sync until read); ``as_dict`` gives floats. Batch rows without
+    a real query (padding only) count as nothing; a call without any real query gives NaN."""
 
     msr: Tensor
     """Model sparsity ratio (Elastic Attention Eq. 4): fraction of (batch, kv head) rows in a sparse mode."""
@@ -92,7 +98,8 @@ class HybridAttention(nn.Module):
         block_size: BlockMask tile in tokens.
         backend: "flex" (compiled flex_attention), "flex_eager" (uncompiled, small sizes, for debugging),
             "dense" (masked SDPA on the dense pattern, small sizes; has a backward on CPU), or "auto":
-            flex, except on CPU when gradients are needed, where flex has no backward and dense is used.
+            flex, except on CPU when gradients are needed (flex has no CPU backward) or q is float64 (compiled
+            flex takes float32, float16 and bfloat16 there), where dense is used.
         plan: how the layer's heads are grouped (:mod:`flexsparse.runtime.plan`). "fused": every head in one
             flex launch. "split": full causal heads through SDPA, the others through one flex launch, written into
             one output. "auto": split on CUDA when a cost model says it pays. Per-call mode tensors run fused.
@@ -100,15 +107,17 @@ class HybridAttention(nn.Module):
         max_dense_len: the longest q_len/kv_len the dense and flex_eager backends accept (they are O(S^2)).
         scale: softmax scale, default ``head_dim ** -0.5``.
         check_finite: raise a ValueError naming q, k or v when it holds NaN or inf (one host sync per call).
-            Without it, NaN/inf in k or v give NaN rows on the dense and flex_eager backends, and on compiled
-            flex possibly finite but wrong rows (its kernel skips work that would propagate them).
+            Without it, what NaN/inf give depends on the backend: on dense, a bad key or value makes every row
+            of its heads NaN, on flex_eager a bad key the rows that attend it and a bad value every row; compiled
+            flex works per tile and may return finite but wrong rows (README, "NaN/inf").
 
     ``forward(q, k, v, modes=None, *, key_padding_mask=None, positions=None, scale=None)`` takes q
     ``[B, H, S_q, d]`` and k/v ``[B, H_kv, S_kv, d]`` (SDPA layout) and returns ``[B, H, S_q, d]``. Queries are
     the last ``S_q`` positions: ``S_q == S_kv`` is prefill, ``S_q == 1`` decode, anything between a chunk of a
     prefill. ``modes`` overrides the default per call: an int tensor ``[H_kv]`` or ``[B, H_kv]`` on q's device
-    (a router's decision; runs fused, no host sync), or one pattern name or index for every head (known on the
-    host, so it is planned like default modes: all-full runs on SDPA).
+    (a router's decision; runs fused, no host sync), or one pattern name or index for every head, or a list or
+    tuple of names or indices, one per KV head (known on the host, so planned like default modes: all-full runs
+    on SDPA).
     ``key_padding_mask`` bool ``[B, S_kv]`` (True = real token; left or right padding): positions count real
     tokens only, so each sequence gets the output it gets alone; rows of padding queries are 0.
     ``positions`` (a :class:`~flexsparse.masks.geometry.Positions`) gives positions directly, e.g. for a cache
@@ -180,6 +189,10 @@ class HybridAttention(nn.Module):
                 raise ValueError(f"default modes must be one per KV head, shape [{self.num_kv_heads}], got "
                                  f"{tuple(modes.shape)}; per-input [B, H_kv] modes go to forward(modes=...)")
             return self._check_mode_tensor(modes, batch=None).cpu().long()
+        return torch.tensor(self._host_modes(modes), dtype=torch.long)
+
+    def _host_modes(self, modes: Sequence[str | int]) -> tuple[int, ...]:
+        """A list or tuple of pattern names or indices, one per KV head, as indices."""
         if isinstance(modes, (str, bytes)) or not isinstance(modes, Sequence):
             raise TypeError(f"modes must be a sequence of pattern names/indices or a tensor, got {type(modes).__name__}")
         if len(modes) != self.num_kv_heads:
@@ -196,7 +209,7 @@ class HybridAttention(nn.Module):
                 except (TypeError, ValueError):
                     raise ValueError(f"modes entries must be pattern names or indices < {len(self.patterns)}, "
                                      f"got {m!r}") from None
-        return torch.tensor(indices, dtype=torch.long)
+        return tuple(indices)
 
     def _mode_index(self, mode: str | int) -> int:
         """One mode by pattern name or index."""
@@ -226,11 +239,17 @@ class HybridAttention(nn.Module):
             raise ValueError(f"modes must index the {len(self.patterns)} patterns, got {modes.unique().tolist()}")
         return modes
 
-    def _head_modes(self, q: Tensor, modes: Tensor | None) -> tuple[Tensor, tuple[int, ...] | None]:
-        """Per query-head modes ``[B or 1, H]`` on q's device, and the per-KV-head modes if the host knows them."""
+    def _head_modes(self, q: Tensor, modes: CallModes) -> tuple[Tensor, tuple[int, ...] | None]:
+        """Per query-head modes ``[B or 1, H]`` on q's device, and the per-KV-head modes if the host knows them
+        (default modes, one name or index, or a list of them: planned alike; a tensor is not read on the host)."""
         group = self.num_heads // self.num_kv_heads
-        if modes is None or isinstance(modes, (str, numbers.Integral)):
-            host = self._default_mode_tuple if modes is None else (self._mode_index(modes),) * self.num_kv_heads
+        if not isinstance(modes, Tensor):
+            if modes is None:
+                host = self._default_mode_tuple
+            elif isinstance(modes, (str, numbers.Integral)):
+                host = (self._mode_index(modes),) * self.num_kv_heads
+            else:
+                host = self._host_modes(modes)
             cached = self._default_head_modes.get((q.device, host))
             if cached is None:
                 cached = torch.tensor(host, device=q.device)[None].repeat_interleave(group, dim=1)
@@ -296,6 +315,8 @@ class HybridAttention(nn.Module):
             raise ValueError(f"q_len ({q.shape[2]}) exceeds kv_len ({k.shape[2]}): queries are the last positions")
         if q.shape[2] == 0:
             raise ValueError("q has no queries (q_len 0)")
+        if q.shape[0] == 0:
+            raise ValueError("q, k and v have batch 0: B must be >= 1")
         if not q.dtype.is_floating_point:
             raise TypeError(f"q must be floating point, got {q.dtype}")
         if self.check_finite:
@@ -330,16 +351,26 @@ class HybridAttention(nn.Module):
         return Geometry(self.num_heads, q_len, kv_len, self.block_size, q.device, positions)
 
     def _choose_backend(self, call: AttentionCall) -> str:
-        backend, on_cpu = self.backend, call.q.device.type == "cpu"
+        backend, on_cpu, dtype = self.backend, call.q.device.type == "cpu", call.q.dtype
+        compiles_on_cpu = dtype in CPU_COMPILED_DTYPES
+        hint = "Use backend='flex' (compiled) for long inputs"
         if backend == "auto":
-            backend = "dense" if (on_cpu and call.needs_grad) else "flex"
+            backend = "dense" if on_cpu and (call.needs_grad or not compiles_on_cpu) else "flex"
+            if backend == "dense" and call.needs_grad:
+                hint = "backend='auto' runs dense on CPU when gradients are needed (flex has no CPU backward)"
+            elif backend == "dense":
+                hint = (f"backend='auto' runs dense on CPU for {dtype} (compiled flex takes float32, float16 or "
+                        "bfloat16 there)")
+        if backend == "flex" and on_cpu and not compiles_on_cpu:
+            raise TypeError(f"backend='flex' (compiled flex_attention) takes float32, float16 or bfloat16 on CPU, "
+                            f"q/k/v are {dtype}; use backend='dense', 'flex_eager' or 'auto' for {dtype}")
         if backend in ("flex", "flex_eager") and on_cpu and call.needs_grad:
             raise ValueError(f"backend={backend!r} has no backward on CPU (flex_attention is forward-only there); "
                              "use backend='dense' or 'auto' for CPU training")
         longest = max(call.geometry.q_len, call.geometry.kv_len)
         if backend in ("dense", "flex_eager") and longest > self.max_dense_len:
             raise ValueError(f"backend={backend!r} costs O(S^2); sequence length {longest} exceeds "
-                             f"max_dense_len={self.max_dense_len}. Use backend='flex' (compiled) for long inputs")
+                             f"max_dense_len={self.max_dense_len}. {hint}")
         return backend
 
     # ----- forward -----------------------------------------------------------------------------------------
@@ -351,7 +382,7 @@ class HybridAttention(nn.Module):
         return [None if index not in used else p.resolve(call.q, call.k, call.geometry) if p.is_dynamic else p
                 for index, p in enumerate(self._pattern_list)]
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, modes: Tensor | int | str | None = None, *,
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, modes: CallModes = None, *,
                 key_padding_mask: Tensor | None = None, positions: Positions | None = None,
                 scale: float | None = None, kv_heads: Sequence[int] | None = None) -> Tensor:
         heads = self._kv_heads(kv_heads)
@@ -376,7 +407,7 @@ class HybridAttention(nn.Module):
                    for group in groups]
         return _assemble(results, q.shape[1])
 
-    def reference_mask(self, q: Tensor, k: Tensor, modes: Tensor | None = None, *,
+    def reference_mask(self, q: Tensor, k: Tensor, modes: CallModes = None, *,
                        key_padding_mask: Tensor | None = None, positions: Positions | None = None) -> Tensor:
         """The dense boolean mask ``[B or 1, H, S_q, S_kv]`` this layer applies to q/k (small sizes only)."""
         geo = self._geometry(q, k, key_padding_mask, positions)
@@ -399,10 +430,10 @@ class HybridAttention(nn.Module):
                                                                           heads=q_heads)
         sparse = torch.tensor([not p.is_full for p in patterns], device=head_modes.device)
         attended = gather_heads([rows(p.attended(geo)).sum(-1, keepdim=True) for p in patterns], head_modes)[..., 0]
-        causal_pairs = (geo.q_positions() + 1).clamp(min=0).sum(-1, keepdim=True)  # [B', 1]
+        causal_pairs = (geo.q_positions() + 1).clamp(min=0).sum(-1, keepdim=True)  # [B', 1]; 0: padding only
         return AttentionStats(
-            msr=model_sparsity_ratio(sparse[head_modes]),
-            esr=effective_sparsity_ratio(attended, causal_pairs.clamp(min=1)),
+            msr=model_sparsity_ratio(sparse[head_modes], counted=causal_pairs > 0),
+            esr=effective_sparsity_ratio(attended, causal_pairs),
             block_density=block_density(composed, geo),
         )
 

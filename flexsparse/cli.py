@@ -17,11 +17,29 @@ class CommandError(Exception):
     """A problem with the command's input or environment: reported as one line, exit code 2."""
 
 
-def _require_cuda(device: str | None, what: str) -> None:
+def _require_cuda(what: str) -> None:
     import torch
 
-    if device is not None and str(device).startswith("cuda") and not torch.cuda.is_available():
+    if not torch.cuda.is_available():
         raise CommandError(f"{what} needs a CUDA device, and torch sees none")
+
+
+def _check_device(device: str | None) -> None:
+    """``--device`` must be cpu, cuda or cuda:N, and a CUDA device must exist."""
+    if device is None:
+        return
+    import torch
+
+    try:
+        found = torch.device(device)
+    except RuntimeError:
+        raise CommandError(f"--device {device!r} is not a device; use cpu, cuda or cuda:N") from None
+    if found.type not in ("cpu", "cuda"):
+        raise CommandError(f"--device {device!r}: flexsparse commands run on cpu or cuda")
+    if found.type == "cuda":
+        _require_cuda(f"--device {device}")
+        if found.index is not None and found.index >= torch.cuda.device_count():
+            raise CommandError(f"--device {device}: torch sees {torch.cuda.device_count()} CUDA device(s)")
 
 
 def _require_matplotlib(what: str) -> None:
@@ -36,7 +54,7 @@ def _positive(name: str, value: int | None) -> None:
 
 def _demo(args: argparse.Namespace) -> int:
     _positive("--seq", args.seq)
-    _require_cuda(args.device, "--device cuda")
+    _check_device(args.device)
     if args.hf:
         if args.seq is not None:
             raise CommandError("--seq does not apply to --hf (the demo's prompts are fixed)")
@@ -88,7 +106,7 @@ def _verify(args: argparse.Namespace) -> int:
         raise CommandError("give --layers SPEC ... or --config FILE")
     if seq_len is None and not args.max_length:
         raise CommandError("give --seq-len (or seq_len in the config), or --max-length")
-    _require_cuda(args.device, "--device cuda")
+    _check_device(args.device)
     stack = parse_stack(specs, repeat)
     progress = _progress if sys.stderr.isatty() else None
     if args.max_length:
@@ -128,6 +146,16 @@ def _show_xa(kwargs: dict, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _varies_by_layer(name: str, kwargs: dict) -> bool:
+    """Whether the spec's pattern takes a ``layer_idx`` that the spec leaves to the row (ESA)."""
+    import inspect
+
+    from flexsparse.specs import PATTERNS
+
+    cls = PATTERNS.get(name)
+    return cls is not None and "layer_idx" in inspect.signature(cls).parameters and "layer_idx" not in kwargs
+
+
 def _show(args: argparse.Namespace) -> int:
     from flexsparse.specs import parse_pattern, split_spec
 
@@ -140,6 +168,10 @@ def _show(args: argparse.Namespace) -> int:
             raise CommandError("--layers applies to ESA specs, not to xa")
         return _show_xa(kwargs, args)
     if args.layers:
+        if args.layers > 1 and not _varies_by_layer(name, kwargs):
+            raise CommandError(f"--layers {args.layers}: {args.pattern!r} is the same in every layer, so its rows "
+                               "would be identical; --layers applies to patterns that take their layer_idx from the "
+                               "row (esa without layer_idx)")
         rows = [(f"layer {i}", parse_pattern(args.pattern, layer_idx=i)) for i in range(args.layers)]
     else:
         rows = [(args.pattern.split(":")[0], parse_pattern(args.pattern))]
@@ -155,7 +187,7 @@ def _bench_hf(args: argparse.Namespace) -> int:
     if importlib.util.find_spec("transformers") is None:
         raise CommandError("bench --hf needs transformers: pip install 'flexsparse[hf]'")
     if not args.smoke:
-        _require_cuda("cuda", "flexsparse bench --hf (use --smoke for toy sizes on the CPU)")
+        _require_cuda("flexsparse bench --hf (use --smoke for toy sizes on the CPU)")
     from flexsparse.tools.bench_hf import SMOKE, HfBenchConfig, run_hf_bench
 
     run_hf_bench(SMOKE if args.smoke else HfBenchConfig(), args.out)
@@ -169,7 +201,7 @@ def _bench(args: argparse.Namespace) -> int:
         return _bench_hf(args)
     for seq in args.seq:
         _positive("--seq", seq)
-    _require_cuda("cuda", "flexsparse bench")
+    _require_cuda("flexsparse bench")
     _require_matplotlib("flexsparse bench (its plot)")
     from flexsparse.tools.bench import run_bench
 
@@ -214,7 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
                                        "synthetic inputs")
     show.add_argument("pattern", help="a spec, e.g. 'esa:num_layers=12,attn_length=32,num_heads=8'")
     show.add_argument("--seq-len", type=int, default=512)
-    show.add_argument("--layers", type=int, default=None, help="draw ESA layers 0..N-1 (layer_idx by row)")
+    show.add_argument("--layers", type=int, default=None,
+                      help="draw layers 0..N-1 of a pattern that varies by layer (ESA: layer_idx by row)")
     show.add_argument("--heads", type=int, default=8, help="xa: synthetic heads drawn (one per kind)")
     show.add_argument("--seed", type=int, default=0, help="xa: seed of the synthetic inputs")
     show.add_argument("--rule", default="plus_one", help="xa: block selection rule, plus_one or minimal")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from flexsparse.cli import main
-from flexsparse.masks import ESA, SinkWindow
+from flexsparse.masks import ESA, Geometry, SinkWindow
 from flexsparse.specs import parse_pattern, parse_stack
 
 
@@ -22,6 +22,16 @@ def test_demo_runs_and_checks_against_the_reference(capsys):
     assert "all SSA" in out and "routed per input" in out
     errors = [float(line.split()[-3]) for line in out.splitlines() if line.startswith(("all ", "hybrid", "routed"))]
     assert len(errors) == 4 and max(errors) < 1e-5
+    assert "uncompiled flex_attention" in out  # the CPU default is flex_eager
+
+
+def test_demo_says_uncompiled_only_when_it_was(capsys):
+    from flexsparse.tools.demo import CPU_SIZE
+
+    assert main(["demo", "--seq", "128", "--device", "cpu", "--backend", "dense"]) == 0
+    out = capsys.readouterr().out
+    assert "backend=dense" in out and "S=128" in out and "uncompiled" not in out
+    assert CPU_SIZE.seq == 1024  # --seq does not change the next run's default
 
 
 def test_verify_exit_codes(capsys):
@@ -63,6 +73,15 @@ no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the messa
     (["verify", "--config", "no/such/file.json"], "No such file"),
     pytest.param(["verify", "--layers", "causal", "--seq-len", "10", "--device", "cuda"], "needs a CUDA device",
                  marks=no_cuda),
+    (["verify", "--layers", "causal", "--seq-len", "10", "--device", "gpu"], "--device 'gpu' is not a device"),
+    (["verify", "--layers", "causal", "--seq-len", "10", "--device", "meta"], "run on cpu or cuda"),
+    (["demo", "--device", "gpu"], "--device 'gpu' is not a device; use cpu, cuda or cuda:N"),
+    (["demo", "--hf", "--device", "cuda0"], "--device 'cuda0' is not a device"),
+    pytest.param(["demo", "--device", "cuda:0"], "needs a CUDA device", marks=no_cuda),
+    (["show", "causal", "--layers", "3"], "'causal' is the same in every layer"),
+    (["show", "sink_window:sink=4,window=8", "--layers", "2"], "is the same in every layer"),
+    (["show", "esa:num_layers=4,attn_length=8,num_heads=2,layer_idx=1", "--layers", "2"],
+     "is the same in every layer"),
     (["show", "nope:x=1"], "unknown pattern 'nope'"),
     (["show", "causal", "--seq-len", "0"], "--seq-len must be >= 1"),
     (["show", "causal", "--seq-len", "100000"], "dense references are for small sizes"),
@@ -123,6 +142,8 @@ def test_the_installed_command_exits_with_the_same_codes():
     assert typo.stderr.strip().count("\n") == 0 and "bad arguments in spec" in typo.stderr
     hole = run("--layers", "sink_window:sink=0,window=8", "--repeat", "2", "--seq-len", "100")
     assert hole.returncode == 1 and "HOLE at query 15, key 0" in hole.stdout
+    device = run("--layers", "causal", "--seq-len", "10", "--device", "gpu")  # not 1, the code of a hole
+    assert device.returncode == 2 and device.stderr.strip().count("\n") == 0 and "Traceback" not in device.stderr
 
 
 def test_verify_reads_a_json_config(tmp_path, capsys):
@@ -136,6 +157,27 @@ def test_show_writes_a_png(tmp_path):
     assert main(["show", "esa:num_layers=3,attn_length=8,num_heads=2", "--layers", "3", "--seq-len", "64",
                  "--out", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["show", "causal", "--layers", "1", "--seq-len", "16", "--out", str(tmp_path / "one.png")]) == 0
+
+
+def test_show_layers_draws_what_varies_by_layer(tmp_path, monkeypatch):
+    """ESA rows differ by layer (their layer_idx is the row); a layer-independent pattern is drawn once."""
+    from flexsparse.tools import pictures
+
+    drawn = {}
+
+    def draw(rows, seq_len, path):
+        drawn["rows"] = rows
+        return path
+
+    monkeypatch.setattr(pictures, "draw_masks", draw)
+    assert main(["show", "esa:num_layers=3,attn_length=4,num_heads=2", "--layers", "3", "--seq-len", "32"]) == 0
+    masks = [pattern.dense(Geometry(2, 32)) for _, pattern in drawn["rows"]]
+    assert [label for label, _ in drawn["rows"]] == ["layer 0", "layer 1", "layer 2"]
+    assert not torch.equal(masks[0], masks[1]) and not torch.equal(masks[1], masks[2])
+    drawn.clear()
+    assert main(["show", "causal", "--seq-len", "32"]) == 0
+    assert len(drawn["rows"]) == 1
 
 
 def test_show_xa_draws_the_blocks_of_synthetic_inputs(tmp_path, capsys):

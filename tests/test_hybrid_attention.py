@@ -162,7 +162,7 @@ def _inputs(**changes):
         (_inputs(), torch.tensor([0.0, 1.0]), TypeError, "integer"),
         (_inputs(), torch.tensor([0, 3]), ValueError, "index the 3 patterns"),
         (_inputs(), torch.tensor([[0, 1], [1, 0], [0, 0]]), ValueError, "batch 3"),
-        (_inputs(), [0, 1], TypeError, "tensor"),
+        (_inputs(), {0: 1}, TypeError, "sequence of pattern names/indices"),  # lists run: test_bad_input.py
     ],
 )
 def test_forward_rejects(inputs, modes, error, match):

@@ -75,9 +75,11 @@ def reference_slots(mask_row, pool):
 
 @pytest.mark.parametrize("seq,pool", [(1, 1), (1, 4), (5, 3), (6, 3), (7, 3), (40, 6)])
 def test_boundary_positions_follow_the_pooling_rule(seq, pool):
-    """The weighted slots are the first and last P real tokens, each once, weighted 1/n; no real token: zeros."""
+    """The weighted slots are the first and last P real tokens, each once, weighted 1/n."""
     gen = torch.Generator().manual_seed(seq * 7 + pool)
-    masks = [None, torch.rand(5, seq, generator=gen) < torch.tensor([0.0, 0.2, 0.5, 0.9, 1.0])[:, None]]
+    marked = torch.rand(5, seq, generator=gen) < torch.tensor([0.0, 0.2, 0.5, 0.9, 1.0])[:, None]
+    marked[:, seq // 2] = True  # a row needs a token to pool (the first row: only this one)
+    masks = [None, marked]
     for mask in masks:
         batch = 5 if mask is not None else 2
         found = boundary_positions(mask, batch, seq, pool, "cpu")
@@ -90,10 +92,7 @@ def test_boundary_positions_follow_the_pooling_rule(seq, pool):
             slots = reference_slots(row, pool)
             used = found.weights[b] > 0
             assert sorted(found.positions[b][used].tolist()) == slots
-            if slots:
-                assert torch.all(found.weights[b][used] == 1.0 / len(slots))
-            else:
-                assert not used.any()
+            assert torch.all(found.weights[b][used] == 1.0 / len(slots))
 
 
 def one_step_boundary_pool(states, mask, pool):
@@ -122,7 +121,9 @@ def test_two_steps_give_the_one_step_result(seq, pool):
     gen = torch.Generator().manual_seed(seq + pool)
     states = torch.randn(4, seq, 2, 5, generator=gen)
     masks = [padded(4, seq, side, gen) for side in ("none", "left", "right")]
-    masks.append(torch.rand(4, seq, generator=gen) < torch.tensor([0.0, 0.3, 0.7, 1.0])[:, None])  # holes, empty
+    holes = torch.rand(4, seq, generator=gen) < torch.tensor([0.0, 0.3, 0.7, 1.0])[:, None]
+    holes[:, seq - 1] = True  # the first row: one token
+    masks.append(holes)
     for mask in masks:
         mask = None if mask is None else mask.cpu()
         expected = one_step_boundary_pool(states, mask, pool)

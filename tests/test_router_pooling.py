@@ -72,11 +72,15 @@ def test_mixed_left_right_padding_and_integer_mask():
     torch.testing.assert_close(boundary_pool(states, mask.long(), 5).double(), expected, atol=1e-6, rtol=1e-6)
 
 
-def test_all_padding_row_pools_to_zero():
-    mask = padded_mask(10, [(0, False), (4, True)])
-    pooled = boundary_pool(torch.randn(2, 10, 2, 4), mask, 3)
-    assert torch.equal(pooled[0], torch.zeros(2, 4))
-    assert pooled[1].abs().sum() > 0
+def test_a_row_with_nothing_to_pool_is_refused():
+    """A mask row without a True (no token to pool) names the rows, also when every row is empty."""
+    mask = padded_mask(10, [(4, True), (0, False), (3, False), (0, True)])
+    with pytest.raises(ValueError, match=r"no token to pool in rows \[1, 3\]"):
+        boundary_pool(torch.randn(4, 10, 2, 4), mask, 3)
+    with pytest.raises(ValueError, match=r"no token to pool in rows \[0, 1\]"):
+        boundary_positions(torch.zeros(2, 10, dtype=torch.bool), 2, 10, 3)
+    with pytest.raises(ValueError, match=r"no token to pool in rows \[0\]"):
+        boundary_positions(torch.zeros(1, 10, dtype=torch.long), 1, 10, 3)  # a 0/1 attention_mask
 
 
 def test_reads_only_boundary_tokens():
@@ -93,8 +97,8 @@ def test_reads_only_boundary_tokens():
 
 
 def test_padding_values_never_leak():
-    """Short and all-padding rows with NaN padding: finite results, equal to the clean ones."""
-    mask = padded_mask(12, [(3, False), (0, False), (5, True)])
+    """Short rows with NaN padding: finite results, equal to the clean ones."""
+    mask = padded_mask(12, [(3, False), (1, False), (5, True)])
     states = torch.randn(3, 12, 2, 4)
     poisoned = states.masked_fill(~mask[:, :, None, None], float("nan"))
     pooled = boundary_pool(poisoned, mask, 4)
@@ -117,11 +121,11 @@ def test_dtype_and_batch_independence():
     rows=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), min_size=1, max_size=4),
 )
 def test_matches_reference_for_any_padding(seq, pool, rows):
-    """Any left and right padding amounts (rows: (left, right) pads, clipped to the sequence)."""
+    """Any left and right padding amounts (rows: (left, right) pads, clipped to leave one real token)."""
     mask = torch.zeros(len(rows), seq, dtype=torch.bool)
     for b, (left, right) in enumerate(rows):
-        left = min(left, seq)
-        mask[b, left:seq - min(right, seq - left)] = True
+        left = min(left, seq - 1)
+        mask[b, left:seq - min(right, seq - left - 1)] = True
     states = torch.randn(len(rows), seq, 2, 3, generator=torch.Generator().manual_seed(seq * 131 + pool))
     torch.testing.assert_close(boundary_pool(states, mask, pool).double(), reference_pool(states, mask, pool),
                                atol=1e-6, rtol=1e-6)
@@ -131,6 +135,7 @@ def test_any_token_subset_pools_the_first_and_last_marked_tokens():
     """A mask with holes (e.g. prompt tokens only, answers left out) pools by rank among the marked tokens."""
     gen = torch.Generator().manual_seed(4)
     mask = torch.rand(6, 50, generator=gen) < torch.tensor([0.0, 0.05, 0.3, 0.6, 0.9, 1.0])[:, None]
+    mask[:, 17] = True  # every row marks a token (the first row only this one)
     states = torch.randn(6, 50, 2, 3, generator=gen)
     torch.testing.assert_close(boundary_pool(states, mask, 7).double(), reference_pool(states, mask, 7),
                                atol=1e-6, rtol=1e-6)
@@ -152,6 +157,10 @@ def test_bad_input():
         boundary_pool(states, torch.ones(2, 10))
     with pytest.raises(ValueError, match="S >= 1"):
         boundary_pool(torch.randn(2, 0, 2, 4))
+    with pytest.raises(ValueError, match="states have batch 0"):
+        boundary_pool(torch.randn(0, 10, 2, 4))
+    with pytest.raises(ValueError, match="batch must be >= 1"):
+        boundary_positions(None, 0, 10, 3, "cpu")
 
 
 @pytest.mark.gpu

@@ -123,16 +123,56 @@ def save_config(model: nn.Module, directory: str | Path) -> Path:
     return path
 
 
-def load_config(model: nn.Module, directory: str | Path) -> nn.Module:
-    """Convert ``model`` as the saved configuration says (patterns, modes, options) and load its learned tensors;
-    returns the model. The model must have the saved layer and head counts."""
-    directory = Path(directory)
-    path = directory / CONFIG_FILE if directory.is_dir() else directory
-    config = json.loads(path.read_text())
+_ENTRIES = {"model": dict, "patterns": dict, "layers": list, "options": dict, "weights": str}
+"""The entries of a configuration and their JSON types ("model" and "layers" are required)."""
+_JSON_NAMES = {dict: "object", list: "list", str: "string"}
+_OPTIONS = ("block_size", "backend", "plan")
+"""The options save_config writes (convert's keyword arguments)."""
+
+
+def _read_config(path: Path) -> dict:
+    """The JSON of ``path``, checked for the entries :func:`load_config` reads; a ValueError names the file."""
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} is not valid JSON ({err})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} must hold a JSON object, got a {type(config).__name__}")
     if config.get("format") != FORMAT:
         raise ValueError(f"{path} is not a flexsparse configuration (format {config.get('format')!r})")
     if config.get("version") != VERSION:
         raise ValueError(f"{path} has version {config.get('version')!r}; this flexsparse reads version {VERSION}")
+    for key, kind in _ENTRIES.items():
+        if key not in config and key in ("model", "layers"):
+            raise ValueError(f"{path} has no {key!r} entry")
+        if key in config and not isinstance(config[key], kind):
+            raise ValueError(f"{path}: {key!r} must be a JSON {_JSON_NAMES[kind]}, got {type(config[key]).__name__}")
+    unknown = sorted(set(config.get("options", {})) - set(_OPTIONS))
+    if unknown:
+        raise ValueError(f"{path}: 'options' has unknown keys {unknown}; known: {list(_OPTIONS)}")
+    model, layers = config["model"], config["layers"]
+    count = model.get("num_layers")
+    if not isinstance(count, int) or any(not isinstance(model.get(key), list) or len(model[key]) != count
+                                         for key in ("num_heads", "num_kv_heads")):
+        raise ValueError(f"{path}: 'model' must give num_layers and num_heads / num_kv_heads lists of that length, "
+                         f"got {model!r}")
+    if len(layers) != count:
+        raise ValueError(f"{path}: 'layers' has {len(layers)} entries, 'model' says num_layers={count}")
+    for index, entry in enumerate(layers):
+        if (not isinstance(entry, dict) or not isinstance(entry.get("modes"), list)
+                or not isinstance(entry.get("patterns", config.get("patterns")), dict)):
+            raise ValueError(f"{path}: layers[{index}] must be an object with a 'modes' list and 'patterns' (its "
+                             f"own or the shared ones), got {entry!r}")
+    return config
+
+
+def load_config(model: nn.Module, directory: str | Path) -> nn.Module:
+    """Convert ``model`` as the saved configuration says (patterns, modes, options) and load its learned tensors;
+    returns the model. The model must have the saved layer and head counts. A file that is not such a
+    configuration (bad JSON, missing or malformed entries) is a ValueError naming it."""
+    directory = Path(directory)
+    path = directory / CONFIG_FILE if directory.is_dir() else directory
+    config = _read_config(path)
     saved = config["model"]
     modules = attention_layers(model)
     if len(modules) != saved["num_layers"]:
@@ -142,14 +182,17 @@ def load_config(model: nn.Module, directory: str | Path) -> nn.Module:
         if found != (heads, kv_heads):
             raise ValueError(f"layer {index}: {path} was saved for {heads} query / {kv_heads} KV heads, the model "
                              f"has {found[0]} / {found[1]}")
-    patterns = [{name: pattern_from_dict(spec) for name, spec in entry.get("patterns", config["patterns"]).items()}
-                for entry in config["layers"]]
     routers = [entry.get("router") for entry in config["layers"]]
     factory = None
     if any(routers):
         factory = lambda index: None if routers[index] is None else Router.from_config(routers[index])
-    convert(model, patterns, [entry["modes"] for entry in config["layers"]], router=factory,
-            **config.get("options", {}))
+    try:
+        patterns = [{name: pattern_from_dict(spec) for name, spec in entry.get("patterns", config["patterns"]).items()}
+                    for entry in config["layers"]]
+        convert(model, patterns, [entry["modes"] for entry in config["layers"]], router=factory,
+                **config.get("options", {}))
+    except (TypeError, ValueError) as err:
+        raise (TypeError if isinstance(err, TypeError) else ValueError)(f"{path}: {err}") from err
     if "weights" in config:
         from safetensors.torch import load_file
 

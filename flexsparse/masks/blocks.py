@@ -104,11 +104,14 @@ class BlockMaskStack:
 
 def block_density(mask: BlockMask, geo: Geometry) -> Tensor:
     """Fraction of the causal (query tile, key tile) pairs holding real tokens that the mask computes;
-    float32 scalar tensor (the mean over batch elements)."""
+    float32 scalar tensor (the mean over batch elements that hold such a pair: a row of padding only counts as
+    nothing; NaN when no row holds one)."""
     computed = (mask.kv_num_blocks.sum(dim=(1, 2), dtype=torch.float32)
                 + mask.full_kv_num_blocks.sum(dim=(1, 2), dtype=torch.float32))  # [B]
     _, q_last = geo.q_tile_bounds()
     kv_first, _ = geo.kv_tile_bounds()
     causal = geo.restrict(torch.where(kv_first <= q_last, PARTIAL, 0).to(torch.int8)) != 0
-    causal_tiles = causal.sum(dim=(1, 2, 3), dtype=torch.float32).clamp(min=1)  # [B']
-    return (computed / (causal_tiles * mask.kv_num_blocks.shape[1])).mean()
+    causal_tiles = causal.sum(dim=(1, 2, 3), dtype=torch.float32)  # [B']
+    density, counted = torch.broadcast_tensors(computed / (causal_tiles.clamp(min=1) * mask.kv_num_blocks.shape[1]),
+                                               causal_tiles > 0)
+    return torch.where(counted, density, 0.0).sum() / counted.sum()

@@ -110,6 +110,10 @@ class Router(nn.Module):
         full_mode: index of the full-attention pattern in the layer's HybridAttention patterns.
         sparse_mode: index of the sparse pattern.
         init_std: standard deviation of the initial linear weights (biases start at 0).
+        check_finite: make :meth:`route` refuse NaN/inf logits (NaN/inf in the states at the pooled tokens, or in
+            the weights) on every device, at one host sync per call. On a CPU they are always refused (no device
+            to wait for); on CUDA, without it, NaN logits give an undefined decision (the hot path never syncs).
+            A runtime setting (also an attribute), not part of :meth:`config`.
     """
 
     kind: ClassVar[str] = ""
@@ -123,7 +127,7 @@ class Router(nn.Module):
             Router._registry[cls.kind] = cls
 
     def __init__(self, head_dim: int, pool_size: int = DEFAULT_POOL_SIZE, *, full_mode: int = 0,
-                 sparse_mode: int = 1, init_std: float = DEFAULT_INIT_STD) -> None:
+                 sparse_mode: int = 1, init_std: float = DEFAULT_INIT_STD, check_finite: bool = False) -> None:
         super().__init__()
         self.head_dim = as_int("head_dim", head_dim, minimum=1)
         self.pool_size = as_int("pool_size", pool_size, minimum=1)
@@ -132,6 +136,9 @@ class Router(nn.Module):
         if self.full_mode == self.sparse_mode:
             raise ValueError(f"full_mode and sparse_mode must differ, both are {self.full_mode}")
         self.init_std = as_float("init_std", init_std, positive=True)
+        if not isinstance(check_finite, bool):
+            raise TypeError(f"check_finite must be a bool, got {type(check_finite).__name__}")
+        self.check_finite = check_finite
         self._fused_workspace = None  # the fused kernel's scratch (RouterWorkspace), made at its first launch
         self._fused_linears: tuple[nn.Linear, ...] | None = None  # found at the first fused_layers() call
 
@@ -143,14 +150,31 @@ class Router(nn.Module):
                 nn.init.zeros_(module.bias)
 
     def check_states(self, states: Tensor, name: str) -> None:
-        """``states`` must be ``[B, S, H, head_dim]`` floating point."""
+        """``states`` must be ``[B, S, H, head_dim]`` floating point, B and S >= 1."""
         if not isinstance(states, Tensor):
             raise TypeError(f"{name} must be a tensor [B, S, H, {self.head_dim}], got {type(states).__name__}")
         if states.dim() != 4:
             raise ValueError(f"{name} must be 4-D [B, S, H, head_dim], got shape {tuple(states.shape)}")
+        if states.shape[0] == 0 or states.shape[1] == 0:
+            raise ValueError(f"{name} must hold B >= 1 sequences of S >= 1 tokens, got shape {tuple(states.shape)}")
+        if not states.dtype.is_floating_point:
+            raise TypeError(f"{name} must be floating point, got {states.dtype}")
         if states.shape[-1] != self.head_dim:
             raise ValueError(f"{name} has head_dim {states.shape[-1]}, the router was built for "
                              f"head_dim={self.head_dim}")
+
+    def _check_logits(self, logits: Tensor, states: Tensor, key_padding_mask: Tensor | None,
+                      boundary: Boundary | None) -> None:
+        """Refuse NaN/inf logits where that costs no device sync (CPU) or ``check_finite`` asks; say why."""
+        if not (self.check_finite or logits.device.type == "cpu") or bool(torch.isfinite(logits).all()):
+            return
+        with torch.no_grad():
+            pooled = self.pool(states, None if boundary is not None else key_padding_mask, boundary)
+        if not bool(torch.isfinite(pooled).all()):
+            rows = (~torch.isfinite(pooled)).flatten(1).any(1).nonzero().flatten().tolist()
+            raise ValueError(f"the states the router pools hold NaN or inf (sequences {rows})")
+        raise ValueError("the router's logits are NaN or inf although the pooled states are finite (its weights "
+                         "hold NaN/inf, or its MLP overflows in its dtype)")
 
     def boundary(self, states: Tensor, key_padding_mask: Tensor | None = None,
                  boundary: Boundary | None = None) -> Boundary:
@@ -192,15 +216,20 @@ class Router(nn.Module):
         under ``TRITON_INTERPRET=1``), ValueError where it cannot; False: the torch path. On an H100 its kernel
         takes 0.02 (layer router) to 0.04 ms (head router) of GPU time, the call 0.05-0.13 ms with its host time,
         against 0.45-1.1 ms through torch (``bench/test_router_bench.py``).
+
+        NaN/inf logits (from NaN/inf states at the pooled tokens, or weights) raise a ValueError on a CPU, and
+        on every device with ``check_finite`` (one host sync per call).
         """
         if fused or (fused is None and states.device.type == "cuda"):
             routing = self._route_fused(states, key_padding_mask, boundary)
             if isinstance(routing, Routing):
+                self._check_logits(routing.logits, states, key_padding_mask, boundary)
                 return routing
             if fused:
                 raise ValueError(f"route(fused=True): {routing}")
         logits = self(states, key_padding_mask, boundary=boundary)
         logits = logits.reshape(logits.shape[0], -1, 2)
+        self._check_logits(logits, states, key_padding_mask, boundary)
         if self.training:
             weights = relaxed_decisions(logits, tau, hard=hard, noise=True, generator=generator)
         else:

@@ -27,8 +27,9 @@ class HeadRouter(Router):
     kind = "head"
 
     def __init__(self, head_dim: int, pool_size: int = DEFAULT_POOL_SIZE, *, full_mode: int = 0,
-                 sparse_mode: int = 1, init_std: float = DEFAULT_INIT_STD) -> None:
-        super().__init__(head_dim, pool_size, full_mode=full_mode, sparse_mode=sparse_mode, init_std=init_std)
+                 sparse_mode: int = 1, init_std: float = DEFAULT_INIT_STD, check_finite: bool = False) -> None:
+        super().__init__(head_dim, pool_size, full_mode=full_mode, sparse_mode=sparse_mode, init_std=init_std,
+                         check_finite=check_finite)
         d = self.head_dim
         self.task_mlp = mlp([d, 4 * d, d])
         self.router_mlp = mlp([d, 4 * d, d, 2])

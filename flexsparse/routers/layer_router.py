@@ -29,8 +29,9 @@ class LayerRouter(Router):
     average_heads = True
 
     def __init__(self, head_dim: int, pool_size: int = DEFAULT_POOL_SIZE, *, full_mode: int = 0,
-                 sparse_mode: int = 1, init_std: float = DEFAULT_INIT_STD) -> None:
-        super().__init__(head_dim, pool_size, full_mode=full_mode, sparse_mode=sparse_mode, init_std=init_std)
+                 sparse_mode: int = 1, init_std: float = DEFAULT_INIT_STD, check_finite: bool = False) -> None:
+        super().__init__(head_dim, pool_size, full_mode=full_mode, sparse_mode=sparse_mode, init_std=init_std,
+                         check_finite=check_finite)
         d = self.head_dim
         self.task_mlp = mlp([d, 8 * d, 2 * d])
         self.router_mlp = mlp([2 * d, 4 * d, d, 2])

@@ -11,7 +11,9 @@ them open, the authors' code differs):
 * Padding is read from a ``key_padding_mask`` (True = real token; left, right or any padding): the ``r``-th real
   token is found by a binary search on the mask's running count, so the states are read at ``2P`` positions per
   sequence whatever the length; the only pass over all ``S`` positions is the running count of the boolean mask.
-* A row with no real token pools to zeros (a defined result, no host sync to raise an error).
+* A row with no real token (nothing to pool) is refused with a ValueError: a router deciding on zeros would
+  decide silently for no reason. Finding it is one host sync per :func:`boundary_positions` call with a mask, i.e.
+  once per model forward (every layer shares the boundary), never per layer.
 * The mask says which tokens to pool, so it may be narrower than the attention's padding mask: in training on
   prompt + answer sequences, pass the prompt tokens only (the authors' code pools the context-and-question
   segment through per-sample ``range_ids``), so that the router sees in training what it sees at prefill.
@@ -41,6 +43,8 @@ def _check_states(states: Tensor) -> None:
         raise ValueError(f"states must be 4-D [B, S, H, d], got shape {tuple(states.shape)}")
     if not states.dtype.is_floating_point:
         raise TypeError(f"states must be floating point, got {states.dtype}")
+    if states.shape[0] == 0:
+        raise ValueError("states have batch 0: B must be >= 1")
     if states.shape[1] == 0:
         raise ValueError("states must hold at least one token (S >= 1)")
 
@@ -52,7 +56,7 @@ class Boundary:
     ``positions``: int64 ``[B, 2P]``, token slots in ``[0, seq)``: ranks ``0 .. P-1`` then ``n-P .. n-1`` among the
     ``n`` real tokens of each row (slots whose rank falls outside ``[0, n)`` hold a clamped, unused slot).
     ``weights``: float32 ``[B, 2P]``, ``1 / min(n, 2P)`` for each pooled token (each real token once), 0 for the
-    unused slots; a row with no real token has only zeros. ``seq``: the S the positions index.
+    unused slots. ``seq``: the S the positions index.
     """
 
     positions: Tensor
@@ -75,7 +79,8 @@ def boundary_positions(key_padding_mask: Tensor | None, batch: int, seq: int, po
         device: where the result lives (the mask's device; required without a mask).
 
     Returns:
-        A :class:`Boundary` (``[B, 2P]`` positions and weights) on ``device``, without host sync.
+        A :class:`Boundary` (``[B, 2P]`` positions and weights) on ``device``; with a mask, after one host sync
+        that refuses (ValueError) rows without a real token.
     """
     batch = as_int("batch", batch, minimum=1)
     seq = as_int("seq", seq, minimum=1)
@@ -93,12 +98,15 @@ def boundary_positions(key_padding_mask: Tensor | None, batch: int, seq: int, po
         real = _real_tokens(key_padding_mask, batch, seq, device)
         running = real.cumsum(1, dtype=torch.int32)  # [B, S]: real tokens up to and including each slot
         count = running[:, -1:].long()  # [B, 1]
+        if not bool(count.min() > 0):  # the one host sync
+            empty = (count[:, 0] == 0).nonzero().flatten().tolist()
+            raise ValueError(f"key_padding_mask marks no token to pool in rows {empty} (every row needs a True)")
         ranks = torch.cat([step.expand(batch, pool), count - pool + step], dim=1)  # [B, 2P]
         # slot of the r-th real token (0-based): the first slot whose running count reaches r + 1
         positions = torch.searchsorted(running, (ranks + 1).clamp(min=1).to(torch.int32).contiguous())
     # each real token once: prefix ranks [0, min(P, n)), suffix ranks [max(P, n - P), n)
     valid = torch.cat([step.expand(batch, pool) < count, ranks[:, pool:] >= pool], dim=1)
-    weights = valid.float() / count.clamp(min=1, max=2 * pool).float()  # [B, 2P]
+    weights = valid.float() / count.clamp(max=2 * pool).float()  # [B, 2P]
     return Boundary(positions.clamp(0, seq - 1), weights, seq)
 
 
@@ -144,7 +152,9 @@ def boundary_pool(states: Tensor, key_padding_mask: Tensor | None = None,
         pool_size: P >= 1, tokens taken at each end.
 
     Returns:
-        ``[B, H, d]`` in ``states``' dtype (accumulated in float32). Runs on the states' device without host sync.
+        ``[B, H, d]`` in ``states``' dtype (accumulated in float32). Runs on the states' device without host sync
+        when ``key_padding_mask`` is None (one, to refuse rows without a real token, with a mask).
+        NaN/inf in the pooled tokens give NaN/inf results (routers refuse them: :meth:`Router.route`).
         The same as ``gather_pool(states, boundary_positions(key_padding_mask, B, S, pool_size, states.device))``.
     """
     _check_states(states)
