@@ -72,6 +72,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from flexsparse.integrations.forward_mask import ForwardMask
@@ -90,6 +91,8 @@ from flexsparse.runtime.buckets import kv_bucket
 from flexsparse.runtime.executors import sdpa_without_graph_builds
 from flexsparse.validation import as_int
 
+
+_MASKED_DECODE_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 GROWTH_STEPS = 16
 """Capacities a buffer grows through per power of two (see :func:`grown_capacity`)."""
@@ -257,8 +260,13 @@ class _GroupCache:
         batch, heads, _, dim = q_group.shape
         kv_heads = self.keys.shape[1]
         folded = q_group.reshape(batch, kv_heads, heads // kv_heads, dim)  # one query: the group's rows
-        out = F.scaled_dot_product_attention(folded, self.keys[:, :, :filled], self.values[:, :, :filled],
-                                             attn_mask=allowed[:, None, None, :], scale=scale)
+        attend = lambda: F.scaled_dot_product_attention(folded, self.keys[:, :, :filled], self.values[:, :, :filled],
+                                                        attn_mask=allowed[:, None, None, :], scale=scale)
+        if q.is_cuda:  # not cuDNN's attention: it would build a graph for every new key length
+            with sdpa_kernel(_MASKED_DECODE_BACKENDS):
+                out = attend()
+        else:
+            out = attend()
         return out.masked_fill(empty[:, :, None, None], 0.0).reshape(batch, heads, 1, dim)
 
 
