@@ -22,10 +22,10 @@ Per layer, the KV heads are grouped by :func:`~flexsparse.integrations.layer.cac
 Capacities. With a known maximum length (``generate()`` passes its own; ``SparseKVCache(model, max_length=...)``)
 a buffer's first allocation holds it exactly (a ring: at most ``sink + window``). Without one (a cache built by
 hand), and past it, buffers grow on a grid of 16 steps per power of two (:func:`grown_capacity`): multiples of 16
-slots, less than 1/16 above the tokens held past 256 tokens. Growing copies the buffer once (at most 16 slots per
-new token, amortised) and recompiles nothing: no decode path of full, ESA and ring heads runs compiled flex or
-depends on a capacity's value (SDPA, the decode kernels and ESA's kernel are Triton or eager, specialised on a
-capacity's divisibility by 16 at most). "keep" groups under compiled flex are the exception: their capacities are
+slots, less than 1/16 above the tokens held past 256 tokens. Growing copies the buffer once (fewer than 32 slots
+per new token, amortised; a generation from n to 2n tokens crosses at most 17 capacities) and recompiles nothing:
+no decode path of full, ESA and ring heads runs compiled flex or depends on a capacity's value (SDPA, the decode
+kernels and ESA's kernel are Triton or eager, specialised on a capacity's divisibility by 16 at most). "keep" groups under compiled flex are the exception: their capacities are
 flex buckets (powers of two today, up to 2x the tokens), one compiled variant per bucket a generation crosses.
 :meth:`SparseKVCache.memory_report` gives the allocated bytes beside the bytes of the tokens held.
 
