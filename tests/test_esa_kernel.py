@@ -374,9 +374,11 @@ def test_gpu_decode_and_chunks_against_float64(q_len):
                     "conftest turns it on where there is no CUDA)")
 def test_executor_in_a_converted_model_decoding_with_the_sparse_cache(monkeypatch):
     """A converted tiny Llama whose layers mix full, sink+window and two ESA patterns, on the split plan with the
-    ESA executor (accepted here on CPU, in the interpreter): prefill and teacher-forced decode of a left-padded
-    batch through the sparse KV cache (ESA heads in bucketed buffers) equal one forward of the dense reference."""
+    ESA executor (accepted here on CPU, in the interpreter): prefill through the executor and teacher-forced decode
+    of a left-padded batch through the sparse KV cache's ESA decode (the kernel on CUDA, here made to run it in the
+    interpreter; one call per ESA group) equal one forward of the dense reference."""
     pytest.importorskip("transformers")
+    import flexsparse.integrations.kv_cache as kv_cache
     from flexsparse.integrations import SparseKVCache, convert
     from flexsparse.masks import Causal, SinkWindow
     from flexsparse.runtime.esa_executor import EsaExecutor
@@ -389,8 +391,15 @@ def test_executor_in_a_converted_model_decoding_with_the_sparse_cache(monkeypatc
         kernel_calls.append(call.q.shape[2])
         return run(self, call, *args)
 
+    decode_calls = []
+
+    def kernel_decode(q, *args, **kwargs):  # the cache's ESA decode on CPU, made to run the kernel
+        decode_calls.append(q.shape[2])
+        return esa_attention(q, *args, **kwargs)
+
     monkeypatch.setattr(EsaExecutor, "accepts", lambda self, pattern, call: isinstance(pattern, ESA))
     monkeypatch.setattr(EsaExecutor, "run", counted_run)
+    monkeypatch.setattr(kv_cache, "esa_attention_reference", kernel_decode)
     patterns = {"full": Causal(), "ssa": SinkWindow(2, 6), "esa": ESA(0, 3, 4, 4), "esa2": ESA(2, 3, 4, 4)}
     modes = [["full", "esa"], ["esa", "ssa"], ["esa2", "esa"]]
     model = convert(tiny_model("llama"), patterns, modes, backend="flex", plan="split", block_size=16)
@@ -402,7 +411,7 @@ def test_executor_in_a_converted_model_decoding_with_the_sparse_cache(monkeypatc
             positions = (mask[:, :stop].cumsum(-1) - 1).clamp(min=0)[:, start:stop]
             pieces.append(model(ids[:, start:stop], attention_mask=mask[:, :stop], position_ids=positions,
                                 past_key_values=cache).logits)
-        assert kernel_calls.count(9) == 3 and kernel_calls.count(1) == 3 * (ids.shape[1] - 9)
+        assert kernel_calls == [9] * 3 and decode_calls == [1] * 4 * (ids.shape[1] - 9)  # layer 2: two ESA modes
         expected = dense(ids, attention_mask=mask).logits
     real = mask.bool()
     torch.testing.assert_close(torch.cat(pieces, 1)[real], expected[real], atol=1e-4, rtol=0)

@@ -10,7 +10,7 @@ from flexsparse.integrations import SparseKVCache, convert, kv_memory_formula
 from flexsparse.integrations.forward_mask import ForwardMask
 from flexsparse.integrations.kv_cache import ring_slot_of, ring_slot_positions
 from flexsparse.integrations.transformers import flexsparse_attention, flexsparse_mask
-from flexsparse.masks import ESA, Causal, SinkWindow
+from flexsparse.masks import ESA, Causal, SinkWindow, TriangleMix
 from tests.hf_util import (
     HEAD_DIM,
     KV_HEADS,
@@ -85,11 +85,15 @@ def test_all_full_cache_has_the_size_of_dynamic_cache():
 
 
 def test_buffer_capacities():
-    """Full heads: the generation's length (SDPA reads a view); ESA heads under compiled flex: block_size x 2^k
-    (no copy per step); rings: sink + window, or the generation's length when shorter."""
-    patterns = {**PATTERNS, "esa": ESA(0, 1, 3, 4)}
-    model = convert(tiny_model("llama"), patterns, [["full", "esa"], ["ssa", "ssa2"], ["esa", "ssa"]],
+    """A known maximum length: every buffer holds exactly that (rings at most sink + window). Without one: the
+    growth grid, rings capped at sink + window. Only "keep" heads (here a union) under compiled flex take flex
+    buckets (block_size x 2^k). Full, ESA and TriangleMix heads keep every key alike."""
+    esa = ESA(0, 1, 3, 4)
+    patterns = {**PATTERNS, "esa": esa, "tm": TriangleMix(1, 4, 2), "mix": SinkWindow(0, 3) | esa}
+    model = convert(tiny_model("llama"), patterns, [["full", "esa"], ["ssa", "mix"], ["tm", "ssa2"]],
                     block_size=16, backend="flex")  # no forward runs: only the allocation policy
+    assert [[g.kind for g in layer.flexsparse.groups] for layer in (m.self_attn for m in model.model.layers)] == [
+        ["full", "esa"], ["keep", "ring"], ["full", "ring"]]
     key = torch.zeros(2, KV_HEADS, 7, HEAD_DIM)
 
     def capacities(cache):
@@ -98,11 +102,12 @@ def test_buffer_capacities():
             model.model.layers[index].self_attn.flexsparse.take_staged(key, key)
         return [[group.capacity for group in layer.groups] for layer in cache.layers]
 
-    assert capacities(SparseKVCache(model, max_length=40)) == [[40, 64], [8, 5], [64, 8]]
-    assert capacities(SparseKVCache(model, max_length=4)) == [[7, 16], [7, 5], [16, 7]]
-    grown = SparseKVCache(model)  # unknown length: exact full buffers at prefill, buckets when they grow
-    assert capacities(grown) == [[7, 16], [8, 5], [16, 8]]
-    assert capacities(grown) == [[16, 16], [8, 5], [16, 8]]
+    assert capacities(SparseKVCache(model, max_length=40)) == [[40, 40], [64, 8], [40, 5]]
+    assert capacities(SparseKVCache(model, max_length=4)) == [[7, 7], [16, 7], [7, 5]]
+    grown = SparseKVCache(model)  # unknown length: the growth grid (multiples of 16 below 512 tokens)
+    assert capacities(grown) == [[16, 16], [16, 8], [16, 5]]
+    assert capacities(grown) == [[16, 16], [16, 8], [16, 5]]
+    assert capacities(grown) == [[32, 32], [32, 8], [32, 5]]
 
 
 def forward_logits(model, ids, mask, cache=None):
@@ -137,7 +142,7 @@ def test_ring_grows_past_a_given_max_length():
     pieces = [forward_logits(model, ids[:, :3], mask[:, :3], cache)]
     pieces += [forward_logits(model, ids[:, t:t + 1], mask[:, :t + 1], cache) for t in range(3, 12)]
     torch.testing.assert_close(torch.cat(pieces, 1), expected, atol=1e-4, rtol=0)
-    assert [[g.capacity for g in layer.groups] for layer in cache.layers] == [[128, 8], [5], [128, 8]]
+    assert [[g.capacity for g in layer.groups] for layer in cache.layers] == [[16, 8], [5], [16, 8]]
 
 
 def test_right_padded_decode_equals_each_sequence_alone():

@@ -2,18 +2,32 @@
 
 Per layer, the KV heads are grouped by :func:`~flexsparse.integrations.layer.cache_groups`:
 
-* full heads keep every token (``[B, H_full, capacity, d]``). When SDPA serves them, the capacity is the
-  generation's maximum length (``generate()`` passes it; without one the buffer is the prompt's length and grows
-  to ``block_size x 2^k`` tokens); decode attends the whole buffer, its empty slots masked by their positions, so
-  every step has the same shapes (one plan, no per-step planning) and SDPA reads at most the unused room;
-* other heads that read arbitrary history (ESA, XAttention, TriangleMix) keep every token in buffers of bucketed
-  capacity (``block_size x 2^k``), so compiled flex runs them without copying the cache
-  (:mod:`flexsparse.runtime.buckets`);
-* token-exact SinkWindow heads keep ``sink + window`` slots (fewer when the generation is shorter): slot ``p`` for
-  a position ``p < sink``, slot ``sink + (p - sink) % window`` after it, per sequence, so a left-padded sequence's
-  sink is its first real tokens. A decode step writes the new token into its slot (one indexed write, the oldest
-  window key leaves) and attends every filled slot as full attention: the ring holds exactly the keys the pattern
-  attends. A chunk of several tokens attends the ring and the chunk in the heads' own pattern, then rewrites it.
+* heads that keep every token, slot t holding token t (``[B, H_group, capacity, d]``):
+
+  - "full": heads whose decode query attends every earlier key (full causal, XAttention, TriangleMix). A decode
+    step attends the filled slots (below); a chunk of several tokens runs the heads' own patterns over them;
+  - "esa" (one group per ESA mode): a decode step gathers the new token's ``attn_length`` keys from the filled
+    slots (ESA's Triton kernel on CUDA, its PyTorch form elsewhere); chunks as above;
+  - "keep" (other patterns: combinations, SinkWindow with ``unit > 1``, ...): every call runs the layer's
+    executors over the whole buffer; under compiled flex its capacity is a flex bucket
+    (:func:`~flexsparse.runtime.buckets.kv_bucket`), so compiled flex never copies it;
+
+* token-exact SinkWindow heads ("ring") keep ``sink + window`` slots (fewer for a shorter generation): slot ``p``
+  for a position ``p < sink``, slot ``sink + (p - sink) % window`` after it, per sequence, so a left-padded
+  sequence's sink is its first real tokens. A decode step writes the new token into its slot (one indexed write,
+  the oldest window key leaves) and attends every filled slot as full attention: the ring holds exactly the keys
+  the pattern attends. A chunk of several tokens attends the ring and the chunk in the heads' own pattern, then
+  rewrites it.
+
+Capacities. With a known maximum length (``generate()`` passes its own; ``SparseKVCache(model, max_length=...)``)
+a buffer's first allocation holds it exactly (a ring: at most ``sink + window``). Without one (a cache built by
+hand), and past it, buffers grow on a grid of 16 steps per power of two (:func:`grown_capacity`): multiples of 16
+slots, less than 1/16 above the tokens held past 256 tokens. Growing copies the buffer once (fewer than 32 slots
+per new token, amortised; a generation from n to 2n tokens crosses at most 17 capacities) and recompiles nothing:
+no decode path of full, ESA and ring heads runs compiled flex or depends on a capacity's value (SDPA, the decode
+kernels and ESA's kernel are Triton or eager, specialised on a capacity's divisibility by 16 at most). "keep" groups under compiled flex are the exception: their capacities are
+flex buckets (powers of two today, up to 2x the tokens), one compiled variant per bucket a generation crosses.
+:meth:`SparseKVCache.memory_report` gives the allocated bytes beside the bytes of the tokens held.
 
 Decode of full and ring heads needs no mask while the cache's padding has one of two layouts (read at prefill
 with the padding check's one host sync; whether a forward's new tokens hold padding is read once per forward for
@@ -35,14 +49,15 @@ On an H100 at 131,072 cached tokens (4 layers per step) a layer's step takes 0.0
 per group and 0.184 ms for all-full SDPA, 0.397 ms at batch 8 against 0.418 and 1.395 ms, and 0.637 ms at batch 8
 left-padded (one layer per step; ``python -m flexsparse.tools.bench_hf --parts decode``).
 
-Any other padding (a right-padded prompt, padding in a chunk or a decode token) sends decode through the
-position-masked path below from then on.
+Any other padding (a right-padded prompt, padding in a chunk or a decode token) sends decode from then on through
+position masks: SDPA with a boolean mask over the filled slots for full and ring heads, ESA's gather with the
+positions for ESA heads.
 
-Each group runs as one HybridAttention call (``kv_heads=``) per step: no per-head loop, no host sync (slots and
-positions are computed on the device from the padding mask, once per forward for all layers), and compiled calls
-see bucket lengths only. Memory per layer is ``2 x B x d x bytes x`` the groups' slots; with generate()'s maximum
-length ``S`` and no "keep" heads that is the formula ``2 B d bytes (H_full S + H_ring min(S, sink + window))``
-exactly (:func:`kv_memory_formula`), and an all-full model's cache has the size of a DynamicCache.
+Each group runs as one call per step: no per-head loop, no host sync (slots and positions are computed on the
+device from the padding mask, once per forward for all layers). Memory per layer is ``2 x B x d x bytes x`` the
+groups' slots; with generate()'s maximum length ``S`` and no "keep" heads under compiled flex that is the formula
+``2 B d bytes (H_every S + H_ring min(S, sink + window))`` exactly (:func:`kv_memory_formula`; ``H_every``: full,
+XAttention, TriangleMix and ESA heads), and an all-full model's cache has the size of a DynamicCache.
 
 Decoding uses the modes the cache was built with (the layer's modes at prefill; converting again invalidates the
 cache). Modes chosen per call and per sequence (a router) need every key in every head: such layers must use a
@@ -52,9 +67,12 @@ DynamicCache (the cache refuses routed models; ``generate()`` keeps its DynamicC
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from flexsparse.integrations.forward_mask import ForwardMask
@@ -67,10 +85,28 @@ from flexsparse.kernels.decode import (
     ranged_decode_attention,
     ranged_decode_reference,
 )
-from flexsparse.masks import Positions, SinkWindow
+from flexsparse.kernels.esa import esa_attention, esa_attention_reference, supports_head_dim
+from flexsparse.masks import ESA, Positions, SinkWindow
 from flexsparse.runtime.buckets import kv_bucket
 from flexsparse.runtime.executors import sdpa_without_graph_builds
 from flexsparse.validation import as_int
+
+
+_MASKED_DECODE_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+GROWTH_STEPS = 16
+"""Capacities a buffer grows through per power of two (see :func:`grown_capacity`)."""
+GROWTH_MIN_STEP = 16
+"""The smallest growth step in slots (and the multiple every grown capacity is)."""
+
+
+def grown_capacity(tokens: int) -> int:
+    """The capacity a buffer grows to for holding ``tokens``: the next multiple of ``max(16, 2^e / 32)`` slots,
+    for ``2^(e-1) < tokens <= 2^e``, i.e. one of 16 steps per power of two. Past 256 tokens it exceeds ``tokens``
+    by less than 1/16 (6.25%); a generation from ``n`` to ``2n`` tokens crosses at most 17 capacities."""
+    tokens = as_int("tokens", tokens, minimum=1)
+    step = max(GROWTH_MIN_STEP, (1 << (tokens - 1).bit_length()) // (2 * GROWTH_STEPS))
+    return -(-tokens // step) * step
 
 
 def ring_slot_of(positions: Tensor, sink: int, window: int) -> Tensor:
@@ -145,9 +181,10 @@ class _HeadIndex:
 class _GroupCache:
     """One group's buffers and how its heads attend (subclasses: every key, or a ring)."""
 
-    def __init__(self, group: CacheGroup, group_size: int, counts: _Counts) -> None:
+    def __init__(self, group: CacheGroup, group_size: int, counts: _Counts, max_length: int | None) -> None:
         self.group = group
         self.counts = counts
+        self.max_length = max_length
         self.kv_index = _HeadIndex(group.kv_heads)
         self.q_index = _HeadIndex(group.q_heads(group_size))
         self.keys: Tensor | None = None
@@ -167,6 +204,22 @@ class _GroupCache:
         if self.keys is None:
             return 0
         return (self.keys.numel() + self.values.numel()) * self.keys.element_size()
+
+    def used_bytes(self, tokens: int) -> int:
+        """Bytes of the slots that hold one of ``tokens`` tokens (per sequence, padding included)."""
+        if self.keys is None:
+            return 0
+        batch, heads, _, dim = self.keys.shape
+        return 2 * batch * heads * min(tokens, self.capacity) * dim * self.keys.element_size()
+
+    def _wanted(self, tokens: int, largest: int | None = None) -> int:
+        """The capacity to allocate for ``tokens`` (at most ``largest``): the maximum length on the first
+        allocation, when known; else, and past it, the growth grid."""
+        if self.keys is None and self.max_length is not None:
+            wanted = max(tokens, self.max_length)
+        else:
+            wanted = grown_capacity(tokens)
+        return wanted if largest is None else min(largest, wanted)
 
     def _allocate(self, like: Tensor, capacity: int) -> None:
         shape = (like.shape[0], len(self.group.kv_heads), capacity, like.shape[3])
@@ -198,32 +251,63 @@ class _GroupCache:
         return sdpa_without_graph_builds(q_group, self.keys[:, :, :filled], self.values[:, :, :filled], scale=scale,
                                          enable_gqa=q_group.shape[1] > self.keys.shape[1])
 
+    def attend_visible(self, q: Tensor, filled: int, visible: tuple[Tensor, Tensor], scale: float | None) -> Tensor:
+        """One query per sequence against the first ``filled`` slots, those marked in ``visible`` (from
+        :func:`_visible`): SDPA with a boolean mask, the GQA group folded into query rows (no K/V copy); a padding
+        query's row is 0."""
+        allowed, empty = visible
+        q_group = self.pick_q(q)
+        batch, heads, _, dim = q_group.shape
+        kv_heads = self.keys.shape[1]
+        folded = q_group.reshape(batch, kv_heads, heads // kv_heads, dim)  # one query: the group's rows
+        attend = lambda: F.scaled_dot_product_attention(folded, self.keys[:, :, :filled], self.values[:, :, :filled],
+                                                        attn_mask=allowed[:, None, None, :], scale=scale)
+        if q.is_cuda:  # not cuDNN's attention: it would build a graph for every new key length
+            with sdpa_kernel(_MASKED_DECODE_BACKENDS):
+                out = attend()
+        else:
+            out = attend()
+        return out.masked_fill(empty[:, :, None, None], 0.0).reshape(batch, heads, 1, dim)
+
+
+def _visible(mask: ForwardMask, memo_key: tuple, kv_positions: Tensor) -> tuple[Tensor, Tensor]:
+    """Which slots a one-token step's query may read: bool ``[B', S]`` (slot positions ``kv_positions`` int
+    ``[B', S]`` at most the query's position; every slot a key the query's pattern attends), and bool ``[B', 1]``
+    for queries that read none (padding: their row is 0; slot 0 stands in, so SDPA gives no NaN). Memoised on the
+    forward's mask under ``memo_key`` (shared by its layers)."""
+    found = mask.memo.get(memo_key)
+    if found is None:
+        allowed = kv_positions <= mask.table_positions().q  # [B', S] against [B', 1]
+        empty = ~allowed.any(-1, keepdim=True)
+        first = torch.arange(allowed.shape[-1], device=allowed.device) == 0
+        found = mask.memo[memo_key] = (allowed | (empty & first), empty)
+    return found
+
 
 class _EveryKey(_GroupCache):
-    """Heads that keep every token: slot t holds token t; the whole buffer is attended, its empty slots masked by
-    their positions, so every decode step has the same shapes (one plan, one compiled variant) until the buffer
-    grows. ``bucketed``: capacities ``block_size x 2^k`` (compiled flex); otherwise the generation's length."""
-
-    def __init__(self, group: CacheGroup, group_size: int, counts: _Counts, bucketed: bool, block_size: int,
-                 max_length: int | None) -> None:
-        super().__init__(group, group_size, counts)
-        self.bucketed, self.block_size, self.max_length = bucketed, block_size, max_length
+    """Heads that keep every token: slot t holds token t."""
 
     def reserve(self, like: Tensor, tokens: int) -> None:
-        if tokens <= self.capacity:
-            return
-        if self.keys is None and self.max_length is not None:
-            wanted = max(tokens, self.max_length)
-        elif self.keys is None and not self.bucketed:
-            wanted = tokens  # prefill of unknown final length: exact, grows on the first decode step
-        else:
-            wanted = kv_bucket(tokens, self.block_size)
-        self._allocate(like, kv_bucket(wanted, self.block_size) if self.bucketed else wanted)
+        """Room for ``tokens``: the maximum length on the first allocation when known, else the growth grid."""
+        if tokens > self.capacity:
+            self._allocate(like, self._wanted(tokens))
 
     def write(self, key: Tensor, value: Tensor, past: int) -> None:
         end = past + key.shape[2]
         self.keys[:, :, past:end] = self.pick_kv(key)
         self.values[:, :, past:end] = self.pick_kv(value)
+
+    def attend_chunk(self, layer: SparseAttentionLayer, q: Tensor, mask: ForwardMask, tokens: int,
+                     scale: float | None) -> Tensor:
+        """Several new tokens against the ``tokens`` filled slots, in the heads' own patterns (the forward's
+        positions: no empty slot, so the call is the one a forward without a cache makes for these heads)."""
+        return layer.attention(self.pick_q(q), self.keys[:, :, :tokens], self.values[:, :, :tokens],
+                               positions=mask.table_positions(), kv_heads=self.group.kv_heads, scale=scale)
+
+
+class _AttendAll(_EveryKey):
+    """"full" heads: a decode step attends every filled slot of a real token (no mask without padding or after a
+    left-padded prompt; SDPA with a position mask otherwise)."""
 
     def step_group(self, mask: ForwardMask, past: int, layout: str) -> DecodeGroup:
         """The new token (position ``past``) goes to slot ``past``; it attends every real slot up to it: all of
@@ -241,14 +325,79 @@ class _EveryKey(_GroupCache):
     def attend(self, layer: SparseAttentionLayer, q: Tensor, key: Tensor, value: Tensor, mask: ForwardMask,
                past: int, scale: float | None, decode: str | None = None) -> Tensor:
         self.write(key, value, past)
-        if decode == "none" and self.group.kind == "full":  # slots 0..past are the tokens, all attended
-            return self.attend_filled(q, past + 1, scale)
-        if decode == "left" and self.group.kind == "full":  # a row's real tokens are its last slots
-            tokens = past + 1
+        tokens = past + key.shape[2]
+        if decode == "none":  # slots 0..past are the tokens, all attended
+            return self.attend_filled(q, tokens, scale)
+        if decode == "left":  # a row's real tokens are its last slots
             lo = mask.memo.get(("left ranges", tokens))
             if lo is None:
                 lo = mask.memo[("left ranges", tokens)] = tokens - _per_row(mask, mask.real_counts(tokens))
             return self.attend_ranges(q, lo, self.counts.constant(mask, tokens), scale)
+        if key.shape[2] == 1:  # any padding: the slots of real tokens up to the query's position
+            visible = _visible(mask, ("every key visible", tokens), mask.table_positions().kv)
+            return self.attend_visible(q, tokens, visible, scale)
+        return self.attend_chunk(layer, q, mask, tokens, scale)
+
+
+class _EsaKeys(_EveryKey):
+    """"esa" heads (one ESA pattern): a decode step gathers the new token's ``attn_length`` keys from the filled
+    slots, through ESA's Triton kernel on CUDA (head dims it takes) and its PyTorch form elsewhere, per run of
+    consecutive KV heads (the kernel takes whole KV groups of the layer's heads)."""
+
+    def __init__(self, group: CacheGroup, group_size: int, counts: _Counts, max_length: int | None) -> None:
+        super().__init__(group, group_size, counts, max_length)
+        self.pattern: ESA = group.pattern
+        self.group_size = group_size
+        runs: list[list[int]] = []  # [first index in the group, count, the layer's first KV head]
+        for index, head in enumerate(group.kv_heads):
+            if runs and head == runs[-1][2] + runs[-1][1]:
+                runs[-1][1] += 1
+            else:
+                runs.append([index, 1, head])
+        self.runs = [tuple(run) for run in runs]
+
+    def attend(self, layer: SparseAttentionLayer, q: Tensor, key: Tensor, value: Tensor, mask: ForwardMask,
+               past: int, scale: float | None, decode: str | None = None) -> Tensor:
+        self.write(key, value, past)
+        tokens = past + key.shape[2]
+        if key.shape[2] > 1:
+            return self.attend_chunk(layer, q, mask, tokens, scale)
+        q_positions = key_slots = None
+        if decode != "none":  # padding: query positions and the slot of each key position, shared by the layers
+            table = mask.table_positions()
+            q_positions = table.q
+            key_slots = mask.memo.get(("esa key slots", tokens))
+            if key_slots is None:
+                key_slots = mask.memo[("esa key slots", tokens)] = table.key_slots()[:, :table.span].to(torch.int32)
+        kernel = q.is_cuda and supports_head_dim(q.shape[-1])
+        attend = esa_attention if kernel else esa_attention_reference
+        q_group, keys, values = self.pick_q(q), self.keys[:, :, :tokens], self.values[:, :, :tokens]
+        group = self.group_size
+        outputs = [attend(q_group[:, first * group:(first + count) * group], keys[:, first:first + count],
+                          values[:, first:first + count], self.pattern, scale, q_positions=q_positions,
+                          key_slots=key_slots, head_offset=head * group)
+                   for first, count, head in self.runs]
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, 1)
+
+
+class _FlexKeys(_EveryKey):
+    """"keep" heads (other patterns): every call runs the layer's executors over the whole buffer, its empty slots
+    masked by their positions; ``bucketed`` (under compiled flex): capacities on the flex buckets instead of the
+    growth grid, so compiled flex runs the buffer without a copy (one compiled variant per bucket)."""
+
+    def __init__(self, group: CacheGroup, group_size: int, counts: _Counts, max_length: int | None,
+                 bucketed: bool, block_size: int) -> None:
+        super().__init__(group, group_size, counts, max_length)
+        self.bucketed, self.block_size = bucketed, block_size
+
+    def reserve(self, like: Tensor, tokens: int) -> None:
+        if tokens > self.capacity:
+            wanted = self._wanted(tokens)
+            self._allocate(like, kv_bucket(wanted, self.block_size) if self.bucketed else wanted)
+
+    def attend(self, layer: SparseAttentionLayer, q: Tensor, key: Tensor, value: Tensor, mask: ForwardMask,
+               past: int, scale: float | None, decode: str | None = None) -> Tensor:
+        self.write(key, value, past)
         return layer.attention(self.pick_q(q), self.keys, self.values, positions=mask.positions_in(self.capacity),
                                kv_heads=self.group.kv_heads, scale=scale)
 
@@ -257,17 +406,17 @@ class _Ring(_GroupCache):
     """Token-exact SinkWindow heads: ``sink + window`` slots (fewer for a shorter generation)."""
 
     def __init__(self, group: CacheGroup, group_size: int, counts: _Counts, max_length: int | None) -> None:
-        super().__init__(group, group_size, counts)
+        super().__init__(group, group_size, counts, max_length)
         window: SinkWindow = group.window
         self.sink, self.window = window.sink, window.window
         self.full_size = self.sink + self.window
-        self.max_length = max_length
 
     def reserve(self, like: Tensor, tokens: int) -> None:
+        """Room for ``tokens``, at most ``sink + window`` slots. Below that the ring has not wrapped (slot p holds
+        position p), so growing keeps the filled slots where they are."""
         if tokens <= self.capacity or self.capacity == self.full_size:
             return
-        limit = self.full_size if self.keys is not None or self.max_length is None else self.max_length
-        self._allocate(like, min(self.full_size, max(tokens, limit)))
+        self._allocate(like, self._wanted(tokens, self.full_size))
 
     def _slot_positions(self, mask: ForwardMask, tokens: int) -> Tensor:
         key = ("ring", self.sink, self.window, self.capacity, tokens)
@@ -341,16 +490,13 @@ class _Ring(_GroupCache):
                 filled = mask.memo[("ring filled", tokens, self.capacity)] = _per_row(
                     mask, mask.real_counts(tokens)).clamp(max=self.capacity)
             return self.attend_ranges(q, self.counts.constant(mask, 0), filled, scale)
-        q_group, table = self.pick_q(q), mask.table_positions()
         if key.shape[2] == 1:  # decode: write, then attend every filled slot (they are the pattern's keys)
             self.write_one(key, value, mask, tokens)
-            positions = mask.memo.get(("ring positions", self.sink, self.window, self.capacity))
-            if positions is None:
-                positions = Positions(table.q, self._slot_positions(mask, tokens), mask.span)
-                mask.memo[("ring positions", self.sink, self.window, self.capacity)] = positions
-            return layer.attention(q_group, self.keys, self.values, layer.decode_full_mode, positions=positions,
-                                   kv_heads=self.group.kv_heads, scale=scale)
+            visible = _visible(mask, ("ring visible", self.sink, self.window, self.capacity, tokens),
+                               self._slot_positions(mask, tokens))
+            return self.attend_visible(q, self.capacity, visible, scale)
         # a chunk: the ring as it was and the new tokens, in the heads' own pattern, then the ring is rewritten
+        q_group, table = self.pick_q(q), mask.table_positions()
         before = self._slot_positions(mask, past)
         positions = Positions(table.q, torch.cat([before, mask.new_positions().int()], 1), mask.span)
         keys = torch.cat([self.keys, self.pick_kv(key)], 2)
@@ -380,10 +526,13 @@ class SparseKVLayer(CacheLayerMixin):
         for group in layer.groups:
             if group.kind == "ring":
                 self.groups.append(_Ring(group, layer.group_size, counts, max_length))
+            elif group.kind == "full":
+                self.groups.append(_AttendAll(group, layer.group_size, counts, max_length))
+            elif group.kind == "esa":
+                self.groups.append(_EsaKeys(group, layer.group_size, counts, max_length))
             else:
-                bucketed = compiled and (group.kind == "keep" or options["plan"] == "fused")
-                self.groups.append(_EveryKey(group, layer.group_size, counts, bucketed, options["block_size"],
-                                              max_length))
+                self.groups.append(_FlexKeys(group, layer.group_size, counts, max_length, compiled,
+                                             options["block_size"]))
         ranges = [group.q_index.slice for group in self.groups]
         self.heads_in_order = all(r is not None for r in ranges) and all(
             a.stop == b.start for a, b in zip(ranges, ranges[1:]))
@@ -475,6 +624,10 @@ class SparseKVLayer(CacheLayerMixin):
     def memory_bytes(self) -> int:
         return sum(group.memory_bytes() for group in self.groups)
 
+    def used_bytes(self) -> int:
+        """Bytes of the slots that hold a token."""
+        return sum(group.used_bytes(self.tokens) for group in self.groups)
+
     def reset(self) -> None:
         self.tokens = 0
         self.layout = "none"
@@ -530,11 +683,37 @@ class SparseKVCache(Cache):
         """Bytes held by every layer's key and value buffers (allocated capacity)."""
         return sum(layer.memory_bytes() for layer in self.layers)
 
+    def memory_report(self) -> KVMemoryReport:
+        """The allocated bytes beside the bytes of the tokens held (see :class:`KVMemoryReport`)."""
+        return KVMemoryReport(tokens=max((layer.tokens for layer in self.layers), default=0),
+                              used_bytes=sum(layer.used_bytes() for layer in self.layers),
+                              allocated_bytes=self.memory_bytes())
+
+
+@dataclass(frozen=True)
+class KVMemoryReport:
+    """What a :class:`SparseKVCache` holds. ``tokens``: tokens per sequence cached (padding included, as a
+    DynamicCache counts them); ``used_bytes``: bytes of the buffer slots that hold one of them (every token of
+    every-key heads, ``min(tokens, sink + window)`` of ring heads: :func:`kv_memory_formula` at ``tokens``);
+    ``allocated_bytes``: the buffers' bytes (:meth:`SparseKVCache.memory_bytes`), the room for later tokens
+    included."""
+
+    tokens: int
+    used_bytes: int
+    allocated_bytes: int
+
+    @property
+    def overhead(self) -> float:
+        """Allocated bytes beyond the used ones, as a fraction of the used ones (0.05: 5% more; 0 when empty)."""
+        return self.allocated_bytes / self.used_bytes - 1 if self.used_bytes else 0.0
+
 
 def kv_memory_formula(model: torch.nn.Module, batch: int, length: int, dtype: torch.dtype) -> int:
     """KV bytes a converted model's cache needs for ``batch`` sequences of ``length`` tokens: per layer
     ``2 B d bytes (H_every S + sum over rings H_ring min(S, sink + window))`` (the issue's formula), where every
-    head that is not a token-exact SinkWindow keeps all ``S`` tokens."""
+    head that is not a token-exact SinkWindow keeps all ``S`` tokens. A :class:`SparseKVCache` allocates exactly
+    this when ``S`` is its known maximum length (generate()'s), and at most 1/16 more past 256 tokens without one
+    (the growth grid), except "keep" heads under compiled flex (flex buckets; see the module docstring)."""
     layers = sparse_layers(model)
     if not layers:
         raise ValueError("kv_memory_formula needs a model converted with flexsparse.convert")

@@ -1,11 +1,16 @@
 """What a converted attention module carries: its HybridAttention, its modes, and how a sparse KV cache groups its
 heads.
 
-A KV head's pattern decides what the cache keeps for it (:class:`CacheGroup`):
+A KV head's pattern decides what the cache keeps for it and how a one-token decode step reads it
+(:class:`CacheGroup`):
 
-* ``"full"``: full causal heads keep every key and decode on SDPA over the cache's used length;
-* ``"keep"``: other patterns that read arbitrary history (ESA, XAttention, TriangleMix, combinations, SinkWindow
-  with ``unit > 1``) keep every key, in buffers of bucketed capacity so compiled flex never copies them;
+* ``"full"``: heads whose decode query attends every earlier key: full causal patterns, XAttention (it decodes as
+  full attention) and TriangleMix (a decode query is in its last-queries band). They keep every key and decode
+  over the filled slots without a mask (SDPA, the ranged decode kernel);
+* ``"esa"``: ESA heads (one group per ESA mode) keep every key and decode through ESA's gather (its Triton kernel
+  on CUDA), which reads the ``attn_length`` keys of the new token only;
+* ``"keep"``: other patterns that read arbitrary history (combinations, SinkWindow with ``unit > 1``, PerHead, ...)
+  keep every key and run every call through the layer's executors (compiled flex under the flex backends);
 * ``"ring"``: token-exact :class:`~flexsparse.masks.SinkWindow` heads keep only the sink and the last ``window``
   keys, in a ring buffer (one group per SinkWindow mode).
 """
@@ -21,14 +26,10 @@ import torch
 from torch import Tensor, nn
 
 from flexsparse.attention import HybridAttention
-from flexsparse.masks import Causal, Pattern, SinkWindow
+from flexsparse.masks import ESA, Pattern, SinkWindow, TriangleMix, XAttention
 from flexsparse.routers import Router, Routing
 
-DECODE_FULL = "_decode_full"
-"""Name of the Causal pattern added to a layer whose patterns have no full one: a sink+window head decodes as full
-attention over its ring buffer (the ring holds exactly the keys its pattern attends)."""
-
-GroupKind = Literal["full", "keep", "ring"]
+GroupKind = Literal["full", "esa", "keep", "ring"]
 
 
 @dataclass
@@ -52,31 +53,46 @@ class RouterSettings:
 
 @dataclass(frozen=True)
 class CacheGroup:
-    """KV heads of a layer that share a cache buffer. ``window`` is the SinkWindow of a ring group."""
+    """KV heads of a layer that share a cache buffer. ``pattern``: the one SinkWindow of a ring group, the one ESA
+    of an esa group (None for the other kinds)."""
 
     kind: GroupKind
     kv_heads: tuple[int, ...]
-    window: SinkWindow | None = None
+    pattern: Pattern | None = None
+
+    @property
+    def window(self) -> SinkWindow | None:
+        """The SinkWindow of a ring group (None for the other kinds)."""
+        return self.pattern if self.kind == "ring" else None
 
     def q_heads(self, group_size: int) -> list[int]:
         """The query heads of these KV heads (GQA groups of ``group_size``)."""
         return [h * group_size + i for h in self.kv_heads for i in range(group_size)]
 
 
+def decodes_as_full(pattern: Pattern) -> bool:
+    """Whether a one-token decode step of ``pattern`` attends every earlier key: full causal patterns, XAttention
+    (decode resolves it to Causal) and TriangleMix (the new token is the last position, inside the full band)."""
+    return (pattern.is_full and not pattern.is_dynamic) or isinstance(pattern, (XAttention, TriangleMix))
+
+
 def cache_groups(patterns: Sequence[Pattern], modes: Sequence[int]) -> list[CacheGroup]:
-    """Groups of the KV heads by what the cache keeps for them: full, keep, then one ring per SinkWindow mode."""
+    """Groups of the KV heads by what the cache keeps for them and how they decode: full, one esa group per ESA
+    mode, keep, then one ring per SinkWindow mode."""
     kinds: dict[tuple, list[int]] = {}
     for head, mode in enumerate(modes):
         pattern = patterns[mode]
         if isinstance(pattern, SinkWindow) and pattern.unit == 1:
             key = ("ring", mode)
-        elif pattern.is_full and not pattern.is_dynamic:
+        elif decodes_as_full(pattern):
             key = ("full", -1)
+        elif isinstance(pattern, ESA):
+            key = ("esa", mode)
         else:
             key = ("keep", -1)
         kinds.setdefault(key, []).append(head)
-    order = sorted(kinds, key=lambda key: (("full", "keep", "ring").index(key[0]), key[1]))
-    return [CacheGroup(kind, tuple(kinds[(kind, mode)]), patterns[mode] if kind == "ring" else None)
+    order = sorted(kinds, key=lambda key: (("full", "esa", "keep", "ring").index(key[0]), key[1]))
+    return [CacheGroup(kind, tuple(kinds[(kind, mode)]), patterns[mode] if kind in ("esa", "ring") else None)
             for kind, mode in order]
 
 
@@ -107,13 +123,7 @@ class SparseAttentionLayer(nn.Module):
         self.patterns = OrderedDict(patterns)
         self.modes = tuple(modes)
         self.options = {"block_size": block_size, "backend": backend, "plan": plan}
-        runtime_patterns = OrderedDict(self.patterns)
-        full = [i for i, p in enumerate(runtime_patterns.values()) if p.is_full and not p.is_dynamic]
-        if not full:
-            runtime_patterns[DECODE_FULL] = Causal()
-            full = [len(runtime_patterns) - 1]
-        self.decode_full_mode = full[0]
-        self.attention = HybridAttention(num_heads, num_kv_heads, head_dim, runtime_patterns, list(self.modes),
+        self.attention = HybridAttention(num_heads, num_kv_heads, head_dim, self.patterns, list(self.modes),
                                          block_size=block_size, backend=backend, plan=plan)
         self.groups = cache_groups(list(self.patterns.values()), self.modes)
         self.attached = True
