@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from flexsparse.kernels.availability import kernel_unavailable
 from flexsparse.masks.esa import ESA
 from flexsparse.validation import as_float, as_int
 
@@ -851,9 +852,10 @@ def esa_attention(q: Tensor, k: Tensor, v: Tensor, pattern: ESA, scale: float | 
     if 2 * (max(w, span) + 1) * max(w, pattern_heads, layers) >= 2**31:
         raise ValueError(f"key positions ({span}) x max(attn_length, num_heads, num_layers) is too large for "
                          "the kernels' int32 index arithmetic")
-    if q.device.type != "cuda" and not triton.knobs.runtime.interpret:
-        raise ValueError(f"esa_attention needs CUDA tensors (q is on {q.device}); on CPU use "
-                         "esa_attention_reference, or set TRITON_INTERPRET=1 before importing triton")
+    reason = kernel_unavailable(q.device)
+    if reason is not None:
+        raise ValueError(f"esa_attention needs CUDA tensors or the Triton interpreter (q is on {q.device}: "
+                         f"{reason}); elsewhere use esa_attention_reference")
     if q_len == 0:
         return torch.empty(q.shape, dtype=q.dtype, device=q.device)
     sorted_pos = order = None
