@@ -2,7 +2,7 @@
 where importing triton fails (a meta-path blocker), with the Triton interpreter asked for (TRITON_INTERPRET=1, so
 every site that could run a kernel on CPU tensors asks whether it can), a tiny Llama with full, sink+window and ESA
 heads converts and generates a left-padded batch with the sparse KV cache: the tokens of a full recompute, and
-triton never imported."""
+triton never imported (dense backend: compiled flex would spend ~15 s compiling on a CPU)."""
 
 import os
 import subprocess
