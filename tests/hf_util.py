@@ -53,6 +53,39 @@ def right_padded(lengths: list[int], seed: int = 1) -> tuple[torch.Tensor, torch
     return ids, mask
 
 
+def returned_cache(output):
+    """The cache a ``generate(..., return_dict_in_generate=True)`` output holds (``cache`` from transformers 5.24,
+    ``past_key_values`` before)."""
+    found = output.get("cache")
+    return output.get("past_key_values") if found is None else found
+
+
+def kv_tensor_bytes(cache) -> int:
+    """Bytes of the distinct floating-point tensors reachable from a cache object through its attributes, lists,
+    tuples and dicts (the keys and values it holds, whatever its class), not entering modules (a converted
+    layer's state, which the cache refers to)."""
+    seen, storages, total = set(), set(), 0
+    pending = [cache]
+    while pending:
+        obj = pending.pop()
+        if id(obj) in seen or isinstance(obj, torch.nn.Module):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            storage = obj.untyped_storage()
+            if obj.is_floating_point() and storage.data_ptr() not in storages:
+                storages.add(storage.data_ptr())
+                total += storage.nbytes()
+        elif isinstance(obj, dict):
+            pending.extend(obj.values())
+        elif isinstance(obj, (list, tuple)):
+            pending.extend(obj)
+        elif hasattr(obj, "__dict__") or hasattr(obj, "__slots__"):
+            pending.extend(getattr(obj, "__dict__", {}).values())
+            pending.extend(getattr(obj, name) for name in getattr(obj, "__slots__", ()) if hasattr(obj, name))
+    return total
+
+
 def greedy(model, ids, mask, new_tokens: int, **kwargs) -> torch.Tensor:
     """``generate``'s greedy tokens after the prompt, ``[B, new_tokens]``."""
     with torch.no_grad():

@@ -16,11 +16,10 @@ import torch
 pytest.importorskip("triton")
 
 from flexsparse.kernels import decode  # noqa: E402
-from flexsparse.kernels.decode import (  # noqa: E402
+from flexsparse.kernels.decode import decode_step_attention, ranged_decode_attention  # noqa: E402
+from flexsparse.kernels.decode_reference import (  # noqa: E402
     DecodeGroup,
-    decode_step_attention,
     decode_step_reference,
-    ranged_decode_attention,
     ranged_decode_reference,
 )
 

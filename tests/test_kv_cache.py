@@ -270,6 +270,7 @@ def test_decode_path_follows_the_padding_layout(layout, one_launch, monkeypatch)
     the one-launch step kernel (here in the Triton interpreter) and with a call per group. The default (None) runs
     the step kernel on CUDA only, so on the CPU it takes the per-group path even under the interpreter."""
     import flexsparse.integrations.kv_cache as kv_cache
+    from flexsparse.kernels import decode
 
     calls = []
     original = kv_cache.SparseKVLayer.attend
@@ -283,15 +284,15 @@ def test_decode_path_follows_the_padding_layout(layout, one_launch, monkeypatch)
         raise AssertionError("the CUDA decode kernel was called on CPU tensors (it needs the interpreter there)")
 
     step_calls = []
-    step_kernel = kv_cache.DecodeStep.__call__
+    step_kernel = decode.DecodeStep.__call__
 
     def counted_step(*args, **kwargs):
         step_calls.append(1)
         return step_kernel(*args, **kwargs)
 
     monkeypatch.setattr(kv_cache.SparseKVLayer, "attend", spy)
-    monkeypatch.setattr(kv_cache, "ranged_decode_attention", cuda_only)
-    monkeypatch.setattr(kv_cache.DecodeStep, "__call__", counted_step)
+    monkeypatch.setattr(decode, "ranged_decode_attention", cuda_only)
+    monkeypatch.setattr(decode.DecodeStep, "__call__", counted_step)
     model = convert(tiny_model("llama"), PATTERNS, MIXED, backend="dense")
     ids, mask = {"none": left_padded([14, 14]), "left": left_padded([14, 10]), "other": right_padded([14, 6])}[layout]
     cache = SparseKVCache(model, one_launch_decode=one_launch)
@@ -308,19 +309,19 @@ def test_decode_path_follows_the_padding_layout(layout, one_launch, monkeypatch)
 def test_generate_with_a_one_launch_cache_passed_by_the_user(monkeypatch):
     """generate() keeps a SparseKVCache the user passes (here with the one-launch decode step, in the Triton
     interpreter): the same greedy tokens as the cache generate() builds, the step kernel called every step."""
-    import flexsparse.integrations.kv_cache as kv_cache
+    from flexsparse.kernels import decode
 
     model = convert(tiny_model("llama"), PATTERNS, MIXED, backend="dense")
     ids, mask = left_padded([13, 8])
     expected = greedy(model, ids, mask, 12)
     calls = []
-    step_kernel = kv_cache.DecodeStep.__call__
+    step_kernel = decode.DecodeStep.__call__
 
     def counted_step(*args, **kwargs):
         calls.append(1)
         return step_kernel(*args, **kwargs)
 
-    monkeypatch.setattr(kv_cache.DecodeStep, "__call__", counted_step)
+    monkeypatch.setattr(decode.DecodeStep, "__call__", counted_step)
     got = greedy(model, ids, mask, 12, past_key_values=SparseKVCache(model, one_launch_decode=True))
     assert torch.equal(got, expected)
     assert len(calls) == 11 * LAYERS  # every decode step of every layer (MIXED: at most two groups per layer)

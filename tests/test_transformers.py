@@ -15,20 +15,25 @@ from torch import nn
 
 from flexsparse.integrations import (
     SparseKVCache,
+    cache_argument,
     convert,
     is_converted,
+    kv_memory_formula,
     layer_modes,
     load_config,
     revert,
     save_config,
+    sparse_generate_cache,
 )
 from flexsparse.masks import ESA, Causal, SinkWindow, TriangleMix
 from tests.hf_util import (
     KV_HEADS,
     LAYERS,
     greedy,
+    kv_tensor_bytes,
     left_padded,
     one_thread,  # noqa: F401  (autouse fixture)
+    returned_cache,
     right_padded,
     tiny_model,
     transformers,
@@ -118,9 +123,44 @@ def test_sparse_cache_generation_equals_full_recompute(kind):
         recomputed = model.generate(ids, attention_mask=mask, max_new_tokens=32, min_new_tokens=32,
                                     do_sample=False, use_cache=False, return_dict_in_generate=True,
                                     output_logits=True)
-    assert isinstance(cached.past_key_values, SparseKVCache)
+    assert isinstance(returned_cache(cached), SparseKVCache)
     assert torch.equal(cached.sequences, recomputed.sequences)
     torch.testing.assert_close(torch.stack(cached.logits), torch.stack(recomputed.logits), atol=1e-4, rtol=0)
+
+
+def generated_cache(model, ids, mask, new_tokens: int, **kwargs):
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             do_sample=False, return_dict_in_generate=True, **kwargs)
+    return returned_cache(out)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_generate_keeps_fewer_kv_bytes_than_the_all_full_cache(kind):
+    """Whatever the transformers version (CI runs the newest and 5.17), a converted model's generate() holds
+    its keys in the sparse cache: the bytes of the tensors the returned cache holds equal the formula for the
+    mixed modes (prompt 20 + 23 new - 1 = 42 tokens) and are below those of the all-full model's cache, which
+    equal transformers' own DynamicCache."""
+    ids, mask = left_padded([20, 12])
+    own = generated_cache(tiny_model(kind), ids, mask, 23)
+    all_full = generated_cache(convert(tiny_model(kind), PATTERNS, ALL_FULL, backend="dense"), ids, mask, 23)
+    model = convert(tiny_model(kind), mixed_patterns(), MIXED, backend="dense")
+    mixed = generated_cache(model, ids, mask, 23)
+    assert type(own) is transformers.DynamicCache and isinstance(mixed, SparseKVCache)
+    assert kv_tensor_bytes(all_full) == kv_tensor_bytes(own)
+    assert kv_tensor_bytes(mixed) == kv_memory_formula(model, 2, 42, torch.float32) < kv_tensor_bytes(all_full)
+
+
+def test_generate_with_the_default_length_uses_the_sparse_cache():
+    """Without max_new_tokens or max_length (transformers' default length) the cache is built without a length
+    and grows: the same tokens as a recompute."""
+    model = convert(tiny_model("llama"), PATTERNS, [["full", "ssa"]] * LAYERS, backend="dense")
+    ids, mask = left_padded([9, 5])
+    model.generation_config.do_sample = False
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, return_dict_in_generate=True)
+        again = model.generate(ids, attention_mask=mask, use_cache=False)
+    assert isinstance(returned_cache(out), SparseKVCache) and torch.equal(out.sequences, again)
 
 
 def test_sparse_cache_generation_with_interleaved_head_groups():
@@ -162,8 +202,32 @@ def test_a_dynamic_cache_still_works_on_a_converted_model():
     model = convert(tiny_model("llama"), PATTERNS, [["full", "ssa"], ["ssa", "ssa2"], ["ssa", "full"]],
                     backend="dense")
     ids, mask = left_padded([9, 14])
-    dynamic = greedy(model, ids, mask, 16, past_key_values=transformers.DynamicCache())
+    dynamic = greedy(model, ids, mask, 16, **{cache_argument(model): transformers.DynamicCache()})
     assert torch.equal(dynamic, greedy(model, ids, mask, 16))
+
+
+def test_generate_calls_the_sparse_cache_cannot_serve_say_what_to_pass():
+    """Assisted generation crops the cache: refused, naming the DynamicCache to pass, with which prompt-lookup
+    decoding gives the greedy tokens. Another dynamic cache_implementation is honoured with a warning; a cache
+    the caller passes is kept."""
+    model = convert(tiny_model("llama"), PATTERNS, [["full", "ssa"], ["ssa", "ssa2"], ["ssa", "full"]],
+                    backend="dense")
+    ids, mask = left_padded([11])  # assisted generation takes one sequence
+    name = cache_argument(model)
+    expected = greedy(model, ids, mask, 8)
+    with pytest.raises(ValueError, match=rf"assisted generation .* pass {name}=transformers.DynamicCache\(\)"):
+        greedy(model, ids, mask, 8, prompt_lookup_num_tokens=3)
+    with pytest.raises(ValueError, match="assisted generation"):
+        greedy(model, ids, mask, 8, assistant_model=tiny_model("llama", seed=1))
+    looked_up = greedy(model, ids, mask, 8, prompt_lookup_num_tokens=3, **{name: transformers.DynamicCache()})
+    assert torch.equal(looked_up, expected)
+    with pytest.warns(UserWarning, match="every head of the converted model keeps every key"):  # (needs CUDA)
+        assert sparse_generate_cache(model, ids, max_new_tokens=4, cache_implementation="offloaded") is None
+    with pytest.raises(ValueError, match=rf"cache_implementation='static'.*{name}=transformers.DynamicCache"):
+        greedy(model, ids, mask, 4, cache_implementation="static")
+    assert sparse_generate_cache(model, ids, max_new_tokens=4, use_cache=False) is None
+    mine = SparseKVCache(model)
+    assert generated_cache(model, ids, mask, 4, **{name: mine}) is mine
 
 
 def test_a_static_cache_in_direct_calls_and_its_refusal_in_generate():
@@ -174,8 +238,8 @@ def test_a_static_cache_in_direct_calls_and_its_refusal_in_generate():
     expected = logits(model, ids, mask)
     cache = transformers.StaticCache(config=model.config, max_cache_len=24)
     with torch.no_grad():
-        pieces = [model(ids[:, :8], attention_mask=mask[:, :8], past_key_values=cache).logits]
-        pieces += [model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], past_key_values=cache).logits
+        pieces = [model(ids[:, :8], attention_mask=mask[:, :8], **{cache_argument(model): cache}).logits]
+        pieces += [model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], **{cache_argument(model): cache}).logits
                    for t in range(8, 12)]
     real = mask.bool()
     torch.testing.assert_close(torch.cat(pieces, 1)[real], expected[real], atol=1e-4, rtol=0)
@@ -193,11 +257,9 @@ def test_revert_restores_the_models_attention():
     revert(model)
     assert not is_converted(model) and model.config._attn_implementation == "sdpa"
     assert not hasattr(model.model.layers[0].self_attn, "flexsparse")
-    assert "_prepare_cache_for_generation" not in model.__dict__
+    assert "generate" not in model.__dict__
     torch.testing.assert_close(logits(model, ids, mask), before, atol=0, rtol=0)
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=2, return_dict_in_generate=True)
-    assert type(out.past_key_values) is transformers.DynamicCache
+    assert type(generated_cache(model, ids, mask, 2)) is transformers.DynamicCache
     with pytest.raises(ValueError, match="not converted"):
         revert(model)
 
@@ -206,9 +268,7 @@ def test_other_instances_of_the_class_are_untouched():
     converted, other = tiny_model("llama"), tiny_model("llama", seed=1)
     convert(converted, PATTERNS, ALL_FULL, backend="dense")
     ids, mask = left_padded([6])
-    with torch.no_grad():
-        out = other.generate(ids, attention_mask=mask, max_new_tokens=2, return_dict_in_generate=True)
-    assert type(out.past_key_values) is transformers.DynamicCache
+    assert type(generated_cache(other, ids, mask, 2)) is transformers.DynamicCache
     assert other.config._attn_implementation == "sdpa"
 
 
@@ -318,21 +378,52 @@ def test_a_layer_that_bypasses_the_registry_is_refused_by_name():
 
 def test_models_with_their_own_sliding_window_are_refused_by_layer():
     mistral = tiny_model("mistral", sliding_window=8)
-    with pytest.raises(ValueError, match=r"layer 0 .*sliding_window=8.*SinkWindow\(sink=0"):
+    with pytest.raises(ValueError, match=r"MistralForCausalLM .*sliding_window=8.*sliding_window = None before "
+                                         r"convert.*SinkWindow\(sink=0, window=8\)"):
         convert(mistral, PATTERNS, ALL_FULL)
+    assert not is_converted(mistral)
     qwen = tiny_model("qwen3", use_sliding_window=True, sliding_window=8, max_window_layers=1)
     with pytest.raises(ValueError, match=r"layer 1 .*sliding_attention"):
         convert(qwen, PATTERNS, ALL_FULL)
 
 
-def test_a_window_as_a_pattern_reproduces_mistrals_sliding_window():
-    """Mistral's own sliding window is SinkWindow(sink=0, window) on a model built without one."""
-    sliding = tiny_model("mistral", sliding_window=6)
+def test_the_refusal_of_mistrals_window_says_how_to_reproduce_it():
+    """Mistral's default config has a sliding window: convert refuses it and says to drop the window from the
+    config and give it as SinkWindow(sink=0, window); doing so on the loaded model reproduces its logits."""
+    model = tiny_model("mistral", sliding_window=6)
     ids, mask = left_padded([15, 9])
-    expected = logits(sliding, ids, mask)
-    model = convert(tiny_model("mistral"), {"window": SinkWindow(0, 6)}, [["window"] * 2] * 3, backend="dense")
+    expected = logits(model, ids, mask)
+    with pytest.raises(ValueError, match=r"model.config.sliding_window = None.*SinkWindow\(sink=0, window=6\)"):
+        convert(model, {"full": Causal()}, ALL_FULL)
+    model.config.sliding_window = None
+    convert(model, {"window": SinkWindow(0, 6)}, [["window"] * 2] * 3, backend="dense")
     real = mask.bool()
     torch.testing.assert_close(logits(model, ids, mask)[real], expected[real], atol=1e-4, rtol=0)
+    assert torch.equal(greedy(model, ids, mask, 12), greedy(model, ids, mask, 12, use_cache=False))
+
+
+def gemma(kind: str, **overrides):
+    """A tiny Gemma 2 / Gemma 3 text model whose layers are all full attention."""
+    config = {"gemma2": transformers.Gemma2Config, "gemma3": transformers.Gemma3TextConfig}[kind](
+        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=LAYERS, num_attention_heads=4,
+        num_key_value_heads=KV_HEADS, head_dim=16, max_position_embeddings=256, pad_token_id=0,
+        layer_types=["full_attention"] * LAYERS, **overrides)
+    cls = {"gemma2": transformers.Gemma2ForCausalLM, "gemma3": transformers.Gemma3ForCausalLM}[kind]
+    return cls(config).eval()
+
+
+@pytest.mark.parametrize("kind, overrides, refusal", [
+    ("gemma2", {}, r"layer 0 .*attn_logit_softcapping=50.0"),
+    ("gemma2", {"attn_logit_softcapping": None}, r"sliding_window=4096\) that none of its layers uses"),
+    ("gemma3", {}, r"Gemma3ForCausalLM defines a sliding window \(config.sliding_window=4096\) that none"),
+])
+def test_gemma_with_every_layer_full_is_refused_at_convert(kind, overrides, refusal):
+    """Gemma 2/3 build a sliding-window mask at every forward whatever their layer types (and Gemma 2 caps its
+    logits): refused by convert, not at the first forward."""
+    model = gemma(kind, **overrides)
+    with pytest.raises(ValueError, match=refusal):
+        convert(model, PATTERNS, ALL_FULL)
+    assert not is_converted(model) and model.config._attn_implementation != "flexsparse"
 
 
 def test_other_inputs_are_refused():
@@ -370,7 +461,7 @@ def test_gpu_sparse_cache_decode_equals_one_forward_and_never_recompiles(one_lau
         for start, stop in [(0, 9)] + [(t, t + 1) for t in range(9, ids.shape[1])]:
             positions = (mask[:, :stop].cumsum(-1) - 1).clamp(min=0)[:, start:stop]
             pieces.append(model(ids[:, start:stop], attention_mask=mask[:, :stop], position_ids=positions,
-                                past_key_values=cache).logits)
+                                **{cache_argument(model): cache}).logits)
     real = mask.bool()
     torch.testing.assert_close(torch.cat(pieces, 1)[real], expected[real], atol=5e-3, rtol=0)
     first = greedy(model, ids, mask, 40)

@@ -12,12 +12,21 @@ from flexsparse.integrations.routing import (
     training,
 )
 from flexsparse.integrations.serialization import load_config, save_config
-from flexsparse.integrations.transformers import ATTENTION_NAME, convert, is_converted, layer_modes, revert
+from flexsparse.integrations.transformers import (
+    ATTENTION_NAME,
+    cache_argument,
+    convert,
+    is_converted,
+    layer_modes,
+    revert,
+    sparse_generate_cache,
+)
 
 __all__ = [
     "ATTENTION_NAME",
     "RouterTrainer",
     "SparseKVCache",
+    "cache_argument",
     "convert",
     "fused_routers",
     "is_converted",
@@ -30,5 +39,6 @@ __all__ = [
     "routed_layers",
     "router_parameters",
     "save_config",
+    "sparse_generate_cache",
     "training",
 ]

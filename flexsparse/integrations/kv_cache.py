@@ -39,7 +39,7 @@ all layers, none without a padding mask, and generate() syncs every step anyway)
 * a left-padded prompt: row b's real tokens are the last ``real_b`` slots of a full buffer and the first
   ``min(real_b, capacity)`` slots of its ring, so each head attends one slot range per row, bounds on the device:
   :func:`~flexsparse.kernels.decode.ranged_decode_attention` on CUDA (head dims up to 256), its PyTorch form
-  on the CPU.
+  on the CPU (and wherever triton is missing).
 
 On CUDA (by default; ``one_launch_decode=True`` also under the Triton interpreter, ``False`` never), when a
 layer's heads form at most two such groups of consecutive heads, the whole step is one call,
@@ -68,6 +68,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -77,19 +78,16 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from flexsparse.integrations.forward_mask import ForwardMask
 from flexsparse.integrations.layer import CacheGroup, SparseAttentionLayer, sparse_layers
-from flexsparse.kernels.decode import (
-    MAX_HEAD_DIM,
-    DecodeGroup,
-    DecodeStep,
-    kernels_run_on,
-    ranged_decode_attention,
-    ranged_decode_reference,
-)
-from flexsparse.kernels.esa import esa_attention, esa_attention_reference, supports_head_dim
+from flexsparse.kernels.availability import kernels_run_on
+from flexsparse.kernels.decode_reference import MAX_HEAD_DIM, DecodeGroup, ranged_decode_reference
+from flexsparse.kernels.esa_reference import esa_attention_reference, supports_head_dim
 from flexsparse.masks import ESA, Positions, SinkWindow
 from flexsparse.runtime.buckets import kv_bucket
 from flexsparse.runtime.executors import sdpa_without_graph_builds
 from flexsparse.validation import as_int
+
+if TYPE_CHECKING:
+    from flexsparse.kernels.decode import DecodeStep
 
 
 _MASKED_DECODE_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -239,9 +237,11 @@ class _GroupCache:
         it attends: the ranged decode kernel on CUDA (split over the slots, GQA without a K/V copy, no host sync),
         its PyTorch form elsewhere."""
         q_group = self.pick_q(q)[:, :, 0]
-        kernel = q.is_cuda and q.shape[-1] <= MAX_HEAD_DIM
-        attend = ranged_decode_attention if kernel else ranged_decode_reference
-        return attend(q_group, self.keys, self.values, lo, hi, scale=scale)[:, :, None]
+        if q.is_cuda and q.shape[-1] <= MAX_HEAD_DIM and kernels_run_on(q.device):
+            from flexsparse.kernels.decode import ranged_decode_attention  # triton: imported where it runs
+
+            return ranged_decode_attention(q_group, self.keys, self.values, lo, hi, scale=scale)[:, :, None]
+        return ranged_decode_reference(q_group, self.keys, self.values, lo, hi, scale=scale)[:, :, None]
 
     def attend_filled(self, q: Tensor, filled: int, scale: float | None) -> Tensor:
         """One query per sequence against the first ``filled`` slots, every one a key it attends: SDPA without a
@@ -369,8 +369,10 @@ class _EsaKeys(_EveryKey):
             key_slots = mask.memo.get(("esa key slots", tokens))
             if key_slots is None:
                 key_slots = mask.memo[("esa key slots", tokens)] = table.key_slots()[:, :table.span].to(torch.int32)
-        kernel = q.is_cuda and supports_head_dim(q.shape[-1])
-        attend = esa_attention if kernel else esa_attention_reference
+        if q.is_cuda and supports_head_dim(q.shape[-1]) and kernels_run_on(q.device):
+            from flexsparse.kernels.esa import esa_attention as attend  # triton: imported where it runs
+        else:
+            attend = esa_attention_reference
         q_group, keys, values = self.pick_q(q), self.keys[:, :, :tokens], self.values[:, :, :tokens]
         group = self.group_size
         outputs = [attend(q_group[:, first * group:(first + count) * group], keys[:, first:first + count],
@@ -592,6 +594,8 @@ class SparseKVLayer(CacheLayerMixin):
             groups = [group.step_group(mask, past, decode) for group in self.groups]
             step = self._decode_step
             if step is None or not step.accepts(q, key, value, groups, scale):
+                from flexsparse.kernels.decode import DecodeStep  # triton: imported where it runs
+
                 step = self._decode_step = DecodeStep(q, key, value, groups, scale)
             return step(q, key, value, groups)
         results = [group.attend(layer, q, key, value, mask, past, scale, decode) for group in self.groups]
@@ -607,7 +611,7 @@ class SparseKVLayer(CacheLayerMixin):
     def _one_launch_on(self, device: torch.device) -> bool:
         """Whether this layer's decode steps on ``device`` run as one kernel call (see ``one_launch_decode``)."""
         if self.one_launch_decode is None:
-            return device.type == "cuda"
+            return device.type == "cuda" and kernels_run_on(device)
         return self.one_launch_decode and kernels_run_on(device)
 
     # ----- transformers' Cache protocol ---------------------------------------------------------------------
@@ -655,8 +659,11 @@ class SparseKVLayer(CacheLayerMixin):
 
 
 class SparseKVCache(Cache):
-    """The sparse KV cache of a converted model; ``generate()`` builds one by itself (see
-    :func:`flexsparse.convert`). ``max_length``: the most tokens the cache will hold, if known (sizes buffers).
+    """The sparse KV cache of a converted model. A converted model's ``generate()`` builds one by itself
+    (:func:`~flexsparse.integrations.transformers.sparse_generate_cache`); to pass one, give it as generate()'s or
+    the model's cache argument (``past_key_values=``, ``cache=`` from transformers 5.24:
+    :func:`~flexsparse.integrations.transformers.cache_argument`). ``max_length``: the most tokens the cache will
+    hold, if known (sizes buffers).
     ``one_launch_decode``: decode full and sink+window heads with one kernel call per layer and step (see the
     module docstring): None (default) on CUDA, True also under the Triton interpreter, False never."""
 

@@ -10,23 +10,23 @@
   4-D mask it returns a :class:`~flexsparse.integrations.forward_mask.ForwardMask` holding the 2-D padding mask,
   from which every layer takes shared token positions.
 
-``generate()`` gets a :class:`~flexsparse.integrations.kv_cache.SparseKVCache` through the model's
-``_prepare_cache_for_generation`` hook, overridden on the converted *instance* (the class is untouched): it runs
-transformers' own preparation and replaces the default DynamicCache it builds (when the user passed no cache, no
-``cache_implementation`` other than "dynamic", and the model is not an assistant) with a sparse cache sized for
-``generate``'s maximum length. :func:`revert` removes the override, the per-module state and restores the
-model's previous attention implementation.
+``generate()`` gets a :class:`~flexsparse.integrations.kv_cache.SparseKVCache` through transformers' public
+API only: the converted *instance*'s ``generate`` (the class is untouched) passes one, sized for the generation,
+as the cache argument of transformers' own ``generate`` (``past_key_values=``; ``cache=`` from transformers
+5.24), unless the call brings its own cache or asks for none. A call the sparse cache cannot serve is refused with
+a ValueError saying what to pass (a static ``cache_implementation``, assisted generation); another dynamic
+``cache_implementation`` is honoured with a warning that every head then keeps every key. :func:`revert` removes
+the wrapper and the per-module state and restores the model's previous attention implementation.
 """
 
 from __future__ import annotations
 
 import inspect
-import types
+import warnings
 from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
-from transformers.cache_utils import DynamicCache
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function
 from transformers.modeling_utils import AttentionInterface, PreTrainedModel
 
@@ -47,6 +47,9 @@ ATTENTION_NAME = "flexsparse"
 """The name flexsparse registers in transformers' attention and mask registries."""
 
 _UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks")
+_CACHE_ARGUMENTS = ("cache", "past_key_values", "cache_params")  # generate()'s names for a cache, new and old
+_DYNAMIC_CACHES = ("offloaded", "quantized")  # transformers' other dynamic caches: every head keeps every key
+_ASSISTED_SETTINGS = ("prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp")
 
 
 # ----- the registered functions ----------------------------------------------------------------------------------
@@ -138,9 +141,37 @@ def _routes_through_registry(module: nn.Module) -> bool:
     return "ALL_ATTENTION_FUNCTIONS" in source
 
 
+def _check_model_window(model: nn.Module, config) -> None:
+    """ValueError for a model whose config defines a sliding window (``config.sliding_window``) that flexsparse
+    cannot take over: one window for every layer (Mistral, Phi-3, ...; the message says how to convert it), or a
+    window no layer uses while the model still builds its masks (Gemma 2/3 with every layer full)."""
+    window = getattr(config, "sliding_window", None)
+    if window is None:
+        return
+    name = type(model).__name__
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:
+        raise ValueError(
+            f"{name} attends within its own sliding window in every layer (config.sliding_window={window}: each "
+            f"token sees only its last {window} tokens). flexsparse replaces each layer's attention with your "
+            "patterns, so convert the model without its window: load it with from_pretrained(..., "
+            "sliding_window=None) or set model.config.sliding_window = None before convert, and use the pattern "
+            f"SinkWindow(sink=0, window={window}) where you want the model's own attention (Causal() attends "
+            "every token)")
+    if "sliding_attention" not in layer_types:
+        raise ValueError(
+            f"{name} defines a sliding window (config.sliding_window={window}) that none of its layers uses "
+            "(layer_types are all full attention): models such as Gemma 2/3 still build a sliding-window mask at "
+            "every forward, which flexsparse's attention cannot take. Convert a model whose layers and config "
+            "agree: full attention everywhere without a window (config.sliding_window=None, where the model "
+            "allows it), or its own sliding layers (flexsparse refuses those by layer)")
+
+
 def attention_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """``(path, module)`` of each decoder layer's self-attention, in layer order; ValueError naming the layer when
-    a layer has none, several, or one that does not call transformers' attention registry or is not causal."""
+    a layer has none, several, or one that does not call transformers' attention registry, is not causal, uses
+    the model's own sliding window or logit softcapping (and for the model windows of :func:`_check_model_window`).
+    """
     config = _text_config(model)
     num_layers = as_int("num_hidden_layers", config.num_hidden_layers, minimum=1)
     found: dict[int, list[tuple[str, nn.Module]]] = {}
@@ -166,14 +197,17 @@ def attention_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
             raise ValueError(f"{where} is not causal; flexsparse supports causal self-attention only")
         layer_type = None if layer_types is None else layer_types[index]
         window = getattr(module, "sliding_window", None)
-        if layer_types is None and window is None:
-            window = getattr(config, "sliding_window", None)
         if (layer_type not in (None, "full_attention")) or window is not None:
             raise ValueError(f"{where} uses the model's own {layer_type or 'sliding-window'} attention "
                              f"(sliding_window={window}); flexsparse replaces a layer's attention with your patterns, "
                              "so convert a model built with full attention (e.g. sliding_window=None) and express a "
                              "window as a pattern, e.g. SinkWindow(sink=0, window=...)")
+        softcap = getattr(module, "attn_logit_softcapping", None)
+        if softcap is not None:
+            raise ValueError(f"{where} caps its attention logits (attn_logit_softcapping={softcap}, as Gemma 2 "
+                             "does); flexsparse's attention has no logit softcapping")
         layers.append((path, module))
+    _check_model_window(model, config)
     return layers
 
 
@@ -246,7 +280,9 @@ def convert(model: PreTrainedModel, patterns: Mapping[str, Pattern] | Sequence[M
     layer of per-KV-head pattern names or indices (with a router: optional, the layers' default modes, all the
     router's full pattern when None). ``block_size``, ``backend``, ``plan``: HybridAttention's. A converted
     model's forward runs every layer through its HybridAttention (padded batches included) and its ``generate()``
-    uses a :class:`SparseKVCache`. Converting a converted model replaces its configuration.
+    uses a :class:`SparseKVCache` (see :func:`sparse_generate_cache`). Converting a converted model replaces its
+    configuration. Models with their own sliding window or logit softcapping are refused (ValueError saying what
+    to convert instead).
 
     ``router``: ``"head"`` (a :class:`~flexsparse.routers.HeadRouter` per layer, one decision per sequence and KV
     head, from key states), ``"layer"`` (:class:`~flexsparse.routers.LayerRouter`, one per sequence and layer,
@@ -298,17 +334,22 @@ def convert(model: PreTrainedModel, patterns: Mapping[str, Pattern] | Sequence[M
         raise ValueError(f"{type(model).__name__} does not let transformers set its attention implementation "
                          "(set_attn_implementation refused), so flexsparse cannot route its attention")
     model._flexsparse_previous_attention = previous
-    model._prepare_cache_for_generation = types.MethodType(_prepare_sparse_cache, model)
+    installed = model.__dict__.get("generate")
+    if not isinstance(installed, _GenerateWithSparseCache):
+        model.generate = _GenerateWithSparseCache(model, installed)
     return model
 
 
 def revert(model: PreTrainedModel) -> PreTrainedModel:
-    """Undo :func:`convert`: the model's previous attention implementation, no flexsparse state, no cache hook."""
+    """Undo :func:`convert`: the model's previous attention implementation, no flexsparse state, its own
+    ``generate``."""
     if not sparse_layers(model):
         raise ValueError("revert: the model was not converted by flexsparse.convert")
     _detach(model)
     previous = model.__dict__.pop("_flexsparse_previous_attention", None) or "sdpa"
-    model.__dict__.pop("_prepare_cache_for_generation", None)
+    installed = model.__dict__.pop("generate", None)
+    if isinstance(installed, _GenerateWithSparseCache) and installed.previous is not None:
+        model.generate = installed.previous
     model.set_attn_implementation(previous)
     return model
 
@@ -332,20 +373,115 @@ def layer_modes(model: nn.Module) -> list[list[str]]:
     return [layer.mode_names for layer in sparse_layers(model)]
 
 
-def _prepare_sparse_cache(self, generation_config, model_kwargs: dict, *args, **kwargs):
-    """``generate()``'s cache preparation on a converted model: transformers' own, then its default DynamicCache
-    replaced by a SparseKVCache sized for the generation (``max_cache_length``, the last positional argument).
-    A routed model keeps the DynamicCache: its modes are chosen per sequence, so every head needs every key."""
-    type(self)._prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs)
-    cache = model_kwargs.get("past_key_values")
-    if getattr(cache, "is_compileable", False):
+# ----- generate() ---------------------------------------------------------------------------------------------------
+
+def cache_argument(model: PreTrainedModel) -> str:
+    """The keyword under which ``model``'s forward and ``generate()`` take a cache: ``"cache"`` from transformers
+    5.24, ``"past_key_values"`` before (5.24 still accepts it, with a deprecation warning)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _generate_call(model: PreTrainedModel, args: tuple, kwargs: dict) -> dict | None:
+    """``generate(*args, **kwargs)``'s arguments by name, its ``**kwargs`` among them; None when they do not bind
+    to its signature (generate() itself then reports the call's error)."""
+    signature = inspect.signature(type(model).generate)
+    try:
+        bound = signature.bind(model, *args, **kwargs)
+    except TypeError:
+        return None
+    call = {}
+    for name, value in bound.arguments.items():
+        kind = signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            call.update(value)
+        elif kind is not inspect.Parameter.VAR_POSITIONAL:
+            call[name] = value
+    return call
+
+
+def sparse_generate_cache(model: PreTrainedModel, *args, **kwargs) -> SparseKVCache | None:
+    """The cache a converted model's ``generate(*args, **kwargs)`` gets: a :class:`SparseKVCache` sized for the
+    generation, or None where the call keeps what it asked for (its own cache, ``use_cache=False``, transformers'
+    other dynamic caches with a warning, a routed model's DynamicCache, an assistant model's with a warning).
+    ValueError for calls the sparse cache cannot serve: static caches (generate() prepares 4-D masks for them)
+    and assisted generation (it crops the cache); the message names what to pass instead."""
+    call = _generate_call(model, args, kwargs)
+    if call is None:
+        return None
+    given = next((call[name] for name in _CACHE_ARGUMENTS if call.get(name) is not None), None)
+    if getattr(given, "is_compileable", False):
         raise ValueError("generate() with a static (compileable) cache prepares 4-D masks, which flexsparse's "
                          "attention does not take; use the default sparse KV cache or a DynamicCache (a static "
                          "cache works in direct model calls)")
-    max_length = kwargs.get("max_cache_length", args[-1] if args else None)
-    if (type(cache) is DynamicCache and not getattr(cache, "_is_user_defined", False)
-            and generation_config.cache_implementation in (None, "dynamic")
-            and not getattr(generation_config, "is_assistant", False)
-            and not any(layer.router is not None for layer in sparse_layers(self))):
-        model_kwargs["past_key_values"] = SparseKVCache(self, max_length=max_length)
+    if given is not None:
+        return None
+    configs = [config for config in (call.get("generation_config"), getattr(model, "generation_config", None))
+               if config is not None]
 
+    def setting(name: str):
+        """As generate() resolves it: the call's keyword, then its generation_config, then the model's."""
+        if name in call:
+            return call[name]
+        return next((getattr(config, name) for config in configs if getattr(config, name, None) is not None), None)
+
+    name = cache_argument(model)
+    implementation = setting("cache_implementation")
+    if implementation == "hybrid":  # generate() drops it: the old default of sliding-window models' configs
+        implementation = None
+    if setting("use_cache") is False:
+        return None
+    if implementation not in (None, "dynamic", *_DYNAMIC_CACHES):
+        raise ValueError(f"generate(cache_implementation={implementation!r}): flexsparse's attention serves "
+                         "dynamic caches only (a static cache makes generate() prepare 4-D masks); leave "
+                         "cache_implementation unset for the sparse KV cache, or pass "
+                         f"{name}=transformers.DynamicCache()")
+    if implementation in _DYNAMIC_CACHES:
+        warnings.warn(f"generate(cache_implementation={implementation!r}) builds transformers' own cache, in which "
+                      "every head of the converted model keeps every key; flexsparse's SparseKVCache (the default "
+                      "without cache_implementation) keeps only what each head attends", stacklevel=3)
+        return None
+    if any(layer.router is not None for layer in sparse_layers(model)):
+        return None  # modes chosen per sequence: every head keeps every key (see convert)
+    if setting("is_assistant"):
+        warnings.warn("a converted model generating as an assistant uses transformers' DynamicCache (every head "
+                      "keeps every key): assisted generation crops the cache, which flexsparse's SparseKVCache "
+                      "cannot", stacklevel=3)
+        return None
+    if call.get("assistant_model") is not None or any(setting(option) for option in _ASSISTED_SETTINGS):
+        raise ValueError("assisted generation (an assistant model, prompt lookup, early exit or multi-token "
+                         "prediction) crops the cache after rejected tokens, which flexsparse's SparseKVCache "
+                         f"cannot; pass {name}=transformers.DynamicCache() to generate this way (every head then "
+                         "keeps every key)")
+    return SparseKVCache(model, max_length=_generation_length(call, setting))
+
+
+def _generation_length(call: Mapping, setting) -> int | None:
+    """The most tokens generate() caches, as transformers sizes its caches (the prompt plus ``max_new_tokens``,
+    else ``max_length``, minus the last token, which is never cached); None when the call sets neither (the cache
+    grows)."""
+    prompt = next((t.shape[1] for t in (call.get("inputs_embeds"), call.get("inputs"), call.get("input_ids"))
+                   if isinstance(t, Tensor) and t.dim() >= 2), None)
+    new_tokens, max_length = setting("max_new_tokens"), setting("max_length")
+    if new_tokens is not None:
+        return None if prompt is None else max(1, prompt + int(new_tokens) - 1)
+    return None if max_length is None else max(1, int(max_length) - 1)
+
+
+class _GenerateWithSparseCache:
+    """A converted model's ``generate``: transformers' own (or the instance's earlier override, ``previous``),
+    given the cache of :func:`sparse_generate_cache` as its cache argument."""
+
+    def __init__(self, model: PreTrainedModel, previous=None) -> None:
+        self.model = model
+        self.previous = previous
+
+    def __call__(self, *args, **kwargs):
+        model = self.model
+        cache = sparse_generate_cache(model, *args, **kwargs)
+        if cache is not None:
+            for name in _CACHE_ARGUMENTS:  # an explicit None under another name would clash with ours
+                if name in kwargs and kwargs[name] is None:
+                    del kwargs[name]
+            kwargs[cache_argument(model)] = cache
+        generate = self.previous if self.previous is not None else type(model).generate.__get__(model)
+        return generate(*args, **kwargs)

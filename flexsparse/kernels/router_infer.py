@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -58,6 +57,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from flexsparse.kernels.availability import kernel_unavailable
 from flexsparse.kernels.launch import CompiledLaunch
 
 MAX_ROWS = 16  # rows (sequences or (sequence, head) pairs) of one MLP program
@@ -136,8 +136,9 @@ class RouterWorkspace:
 def fused_support(states: Tensor, layers: Sequence[tuple[Tensor, Tensor | None]]) -> str | None:
     """None when :func:`fused_routing` takes these inputs, else why not. ``layers``: (weight, bias) of the linear
     layers of the task MLP, then of the router MLP."""
-    if not (states.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
-        return "the fused router kernel needs a CUDA device (or TRITON_INTERPRET=1 on CPU)"
+    reason = kernel_unavailable(states.device)
+    if reason is not None:
+        return reason
     if states.dtype not in _DTYPES or states.shape[-1] > MAX_HEAD_DIM:
         return f"states of {states.dtype} and head_dim {states.shape[-1]} (float32/16, bfloat16, <= {MAX_HEAD_DIM})"
     if len(layers) != 5 or any(bias is None for _, bias in layers):

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from flexsparse.kernels.availability import kernels_run_on
 from flexsparse.kernels.xa_args import check_estimate_args
 
 Backend = Literal["auto", "torch", "triton"]
@@ -123,12 +124,10 @@ def antidiagonal_block_mass(q: Tensor, k: Tensor, stride: int, block_size: int, 
     if backend != "torch":
         check_estimate_args(q, k, stride, block_size, q_start, kv_valid_len)
         use_triton = backend == "triton"
-        if backend == "auto" and q.is_cuda:
-            try:
-                from flexsparse.kernels.xa_estimate_triton import triton_supports
-            except ImportError:  # no triton installed: the compiled torch path is the same algorithm
-                triton_supports = None
-            use_triton = triton_supports is not None and triton_supports(q, stride, block_size) is None
+        if backend == "auto" and q.is_cuda and kernels_run_on(q.device):  # else the compiled torch path
+            from flexsparse.kernels.xa_estimate_triton import triton_supports
+
+            use_triton = triton_supports(q, stride, block_size) is None
         if use_triton:
             from flexsparse.kernels.xa_estimate_triton import block_mass_triton
 

@@ -31,13 +31,13 @@ CPU: the kernels run under ``TRITON_INTERPRET=1`` (slow; for tests at small size
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
+from flexsparse.kernels.availability import kernel_unavailable
 from flexsparse.kernels.xa_args import check_estimate_args
 
 _SCRATCH_BYTES = 2 << 30  # float32 block sums held per launch (rows x key blocks x heads)
@@ -45,14 +45,11 @@ _MAX_SELECT_BLOCKS = 16384  # key blocks a selection row holds in registers
 DEFAULT_CONFIG = (128, 256, 8, 2, True)  # BLOCK_M, BLOCK_N (groups), warps, stages, tensor descriptors (H100 sweep)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def triton_supports(q: Tensor, stride: int, block_size: int) -> str | None:
     """None when the Triton estimator handles these inputs, else the reason it does not."""
-    if not (q.is_cuda or _interpreting()):
-        return "the Triton kernels need a CUDA device (or TRITON_INTERPRET=1 on CPU)"
+    reason = kernel_unavailable(q.device)
+    if reason is not None:
+        return reason
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"dtype {q.dtype} (float16, bfloat16 or float32 expected)"
     per_block = block_size // stride
@@ -289,8 +286,9 @@ def select_blocks_triton(mass: Tensor, threshold: Tensor, diag_lo: Tensor, diag_
     batch, heads, q_blocks, kv_blocks = mass.shape
     if kv_blocks > _MAX_SELECT_BLOCKS:
         raise ValueError(f"the Triton selection holds up to {_MAX_SELECT_BLOCKS} key blocks per row, got {kv_blocks}")
-    if not (mass.is_cuda or _interpreting()):
-        raise ValueError("the Triton selection needs a CUDA device (or TRITON_INTERPRET=1 on CPU)")
+    reason = kernel_unavailable(mass.device)
+    if reason is not None:
+        raise ValueError(f"the Triton selection cannot run on mass's device: {reason}")
     mass = mass.float().contiguous()
     out = torch.empty(batch, heads, q_blocks, kv_blocks, device=mass.device, dtype=torch.int8)
     geometry = [t.to(device=mass.device, dtype=torch.int32).contiguous() for t in (diag_lo, diag_hi, row_ok)]

@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
+from flexsparse.kernels.availability import kernel_unavailable
 from flexsparse.routers.pooling import (
     DEFAULT_POOL_SIZE,
     Boundary,
@@ -244,10 +245,10 @@ class Router(nn.Module):
         self.check_states(states, "states")
         if torch.is_grad_enabled() and (states.requires_grad or any(p.requires_grad for p in self.parameters())):
             return "gradients are enabled and required (run under torch.no_grad() or inference_mode())"
-        try:
-            from flexsparse.kernels import router_infer  # needs triton: imported on this path only
-        except ImportError as error:
-            return f"the fused kernel needs triton ({error})"
+        reason = kernel_unavailable(states.device)
+        if reason is not None:
+            return reason
+        from flexsparse.kernels import router_infer  # triton: imported where it runs
         layers = self.fused_layers()
         reason = router_infer.fused_support(states, layers)
         if reason is not None:

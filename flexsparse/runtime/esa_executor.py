@@ -14,18 +14,11 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from flexsparse.kernels.availability import kernels_run_on
 from flexsparse.masks.base import Pattern
 from flexsparse.masks.esa import ESA
 from flexsparse.runtime.call import AttentionCall, GroupModes, HeadSelection
 from flexsparse.runtime.executors import Executor
-
-
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def _runs(call: AttentionCall, heads: HeadSelection, modes: tuple[int, ...]) -> list[tuple[int, int, int]]:
@@ -49,11 +42,9 @@ class EsaExecutor(Executor):
 
     name = "esa"
 
-    def __init__(self) -> None:
-        self.available = _triton_available()
-
     def accepts(self, pattern: Pattern, call: AttentionCall) -> bool:
-        if not (self.available and call.q.device.type == "cuda" and isinstance(pattern, ESA)):
+        device = call.q.device
+        if not (isinstance(pattern, ESA) and device.type == "cuda" and kernels_run_on(device)):
             return False
         from flexsparse.kernels.esa import supports_head_dim
 

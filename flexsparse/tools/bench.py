@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 import flexsparse.runtime.compiled
 from flexsparse.attention import HybridAttention
+from flexsparse.kernels.availability import triton_version
 from flexsparse.masks import ESA, Causal, Geometry, SinkWindow, XAttention
 from flexsparse.masks.blocks import BlockMaskStack, block_density
 from flexsparse.runtime.compiled import run_flex
@@ -192,8 +193,6 @@ def run_bench(seqs: list[int], backward: bool, out_dir: str | Path, quiet: bool 
     """Run the suite, write ``bench.json`` and ``bench.png`` under ``out_dir``; return the results."""
     if not torch.cuda.is_available():
         raise RuntimeError("flexsparse bench needs a CUDA GPU")
-    import triton
-
     # The suite compiles dozens of distinct structures in one process (each config, shape and grad mode).
     flexsparse.runtime.compiled.MAX_COMPILED_VARIANTS = 256
 
@@ -209,7 +208,7 @@ def run_bench(seqs: list[int], backward: bool, out_dir: str | Path, quiet: bool 
         f"{switch['mode_switch_ms']:.3f} ms per switch ({switch['mode_switch_with_backward_ms']:.3f} ms with the "
         f"backward's indices), {switch['routed_call_ms']:.2f} ms per routed call")
     result = dict(
-        device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+        device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton_version(),
         python=platform.python_version(),
         shapes=dict(batch=BATCH, q_heads=HEADS, kv_heads=KV_HEADS, head_dim=DIM, dtype="bfloat16",
                     ssa=dict(sink=SINK, window=WINDOW)),

@@ -35,7 +35,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 import flexsparse.runtime.compiled
 from flexsparse.integrations import SparseKVCache, convert, kv_memory_formula, revert
 from flexsparse.integrations.transformers import flexsparse_attention, flexsparse_mask
-from flexsparse.kernels.decode import kernels_run_on
+from flexsparse.kernels.availability import kernels_run_on
 from flexsparse.masks import Causal, SinkWindow
 
 

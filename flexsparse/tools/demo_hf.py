@@ -51,6 +51,12 @@ def _generate(model, ids, mask, **kwargs):
                           do_sample=False, return_dict_in_generate=True, **kwargs)
 
 
+def _cache(output):
+    """The cache of a generate() output (``cache`` from transformers 5.24, ``past_key_values`` before)."""
+    found = output.get("cache")
+    return output.get("past_key_values") if found is None else found
+
+
 def _kv_bytes(cache) -> int:
     if isinstance(cache, SparseKVCache):
         return cache.memory_bytes()
@@ -106,8 +112,8 @@ def _run(dev: torch.device, backend: str) -> dict:
         "all_full_max_logit_error": full_error,
         "all_full_tokens_equal": f"{full_tokens}/{NEW_TOKENS * len(PROMPTS)}",
         "sparse_cache_tokens_equal_recompute": f"{cache_tokens}/{NEW_TOKENS * len(PROMPTS)}",
-        "kv_bytes_dynamic_cache": _kv_bytes(own.past_key_values),
-        "kv_bytes_sparse_cache": _kv_bytes(sparse.past_key_values),
+        "kv_bytes_dynamic_cache": _kv_bytes(_cache(own)),
+        "kv_bytes_sparse_cache": _kv_bytes(_cache(sparse)),
         "kv_bytes_formula": kv_memory_formula(model, len(PROMPTS), length, torch.float32),
         "generate_s": generate_s,
     }
