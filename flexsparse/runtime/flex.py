@@ -51,7 +51,9 @@ class FlexExecutor(Executor):
     """flex_attention for any patterns; ``compiled=False`` runs it eagerly (O(S^2) memory: small sizes only).
 
     ``layer_patterns`` are the layer's own patterns: their masks are cached; patterns resolved per call
-    (content-dependent ones) are built per call.
+    (content-dependent ones) are built per call. Compiled, a call runs at the shapes of
+    :mod:`flexsparse.runtime.buckets`: lengths padded to their bucket, the batch in power-of-two parts, each
+    part with its rows of the positions and modes (a content-dependent pattern is resolved again on the part).
     """
 
     def __init__(self, layer_patterns: Sequence[Pattern], compiled: bool = True, kernel_options: dict | None = None):
