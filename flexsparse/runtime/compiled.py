@@ -8,10 +8,13 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-MAX_COMPILED_VARIANTS = 32
+MAX_COMPILED_VARIANTS = 256
 """Compiled flex_attention variants (shapes, dtypes, pattern sets, grad modes) allowed per process before
-flexsparse raises RecompileLimitError instead of letting torch fall back to the unfused O(S^2) path. Change it
-here (``flexsparse.runtime.compiled.MAX_COMPILED_VARIANTS = 64``) when a process needs more."""
+flexsparse raises RecompileLimitError instead of letting torch fall back to the unfused O(S^2) path. Calls run
+at bucketed shapes (:mod:`flexsparse.runtime.buckets`, whose docstring gives the bound), so traffic compiles a
+bounded set: 20 variants for a one-layer model serving lengths up to 256 at block 16 and batches up to 8, a
+few times that per pattern set for lengths up to 128K at block 128 (11 key buckets). Change it here
+(``flexsparse.runtime.compiled.MAX_COMPILED_VARIANTS = 512``) when a process needs more."""
 
 _compiled_flex_attention = None
 
@@ -44,9 +47,10 @@ def compiled_flex_attention():
 
 
 @functools.lru_cache(maxsize=4)
-def _refuse_unfused_fallback(limit: int):
+def _refuse_unfused_fallback(limit: int, accumulated: int):
     """A reusable dynamo config patch (building one per call costs more than the call's own Python)."""
-    return torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, recompile_limit=limit)
+    return torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, recompile_limit=limit,
+                                      accumulated_recompile_limit=max(limit, accumulated))
 
 
 def run_flex(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMask, scale: float,
@@ -59,12 +63,13 @@ def run_flex(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMask, scale: floa
                               kernel_options=options)
     limit = max(torch._dynamo.config.recompile_limit, MAX_COMPILED_VARIANTS)
     try:
-        with _refuse_unfused_fallback(limit):
+        with _refuse_unfused_fallback(limit, torch._dynamo.config.accumulated_recompile_limit):
             return compiled_flex_attention()(q, k, v, block_mask, scale, enable_gqa, options)
     except torch._dynamo.exc.FailOnRecompileLimitHit as err:
         raise RecompileLimitError(
             f"flex_attention reached its limit of {limit} compiled variants "
             "(flexsparse.runtime.compiled.MAX_COMPILED_VARIANTS); flexsparse refuses the unfused fallback that "
-            "materialises the S x S score matrix. Recompiles come from new sequence lengths, dtypes, head dims or "
-            "pattern sets: share pattern objects across layers, or raise the limit."
+            "materialises the S x S score matrix. Variants come from length buckets, batch part sizes, "
+            "dtypes, head dims, pattern sets and grad modes: share pattern objects across layers, or raise "
+            "the limit."
         ) from err

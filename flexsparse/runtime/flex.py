@@ -4,7 +4,11 @@ Each pattern's BlockMask is built once per geometry (cached here for the contigu
 :class:`~flexsparse.masks.geometry.Positions` otherwise, so every layer of one model forward shares it). Per-head
 modes select index rows with one gather (:class:`~flexsparse.masks.blocks.BlockMaskStack`) and one dispatching
 mask_mod captures the mode tensor: new modes and new positions are new tensor values, never a recompile.
-Compiled calls with position tables run at bucketed lengths (:mod:`flexsparse.runtime.buckets`).
+
+Compiled calls run at the shapes of :mod:`flexsparse.runtime.buckets`: lengths off the key grid padded to
+their bucket (padding rows and slots hold padding positions; contiguous prefill as ``PREFILL_POLICY`` says),
+the batch in power-of-two parts, one launch each on views of q/k/v. So any mix of prompt lengths, batch sizes
+and padding widths compiles a bounded number of variants.
 """
 
 from __future__ import annotations
@@ -21,8 +25,8 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from flexsparse.masks.base import Pattern
 from flexsparse.masks.blocks import BlockMaskStack
 from flexsparse.masks.combine import dispatch_mask_mod
-from flexsparse.masks.geometry import Geometry
-from flexsparse.runtime.buckets import kv_bucket, q_bucket
+from flexsparse.masks.geometry import Geometry, Positions
+from flexsparse.runtime import buckets
 from flexsparse.runtime.call import GroupModes, HeadSelection
 from flexsparse.runtime.compiled import run_flex
 from flexsparse.runtime.executors import Executor
@@ -31,10 +35,12 @@ _CONTIGUOUS_CACHE_SIZE = 8
 
 
 class _MaskSet:
-    """What one geometry needs for a layer's static patterns, built on first use: mask_mods, BlockMasks, their
-    stack, and composed BlockMasks by (host modes, heads)."""
+    """What one geometry needs for a layer's static patterns, built on first use: the geometry the call runs
+    at (bucketed when compiled), mask_mods, BlockMasks, their stack, and composed BlockMasks by (host modes,
+    heads)."""
 
-    def __init__(self) -> None:
+    def __init__(self, geometry: Geometry) -> None:
+        self.geometry = geometry
         self.mask_mods: dict[int, object] = {}
         self.block_masks: dict[int, BlockMask] = {}
         self.stack: BlockMaskStack | None = None
@@ -45,7 +51,9 @@ class FlexExecutor(Executor):
     """flex_attention for any patterns; ``compiled=False`` runs it eagerly (O(S^2) memory: small sizes only).
 
     ``layer_patterns`` are the layer's own patterns: their masks are cached; patterns resolved per call
-    (content-dependent ones) are built per call.
+    (content-dependent ones) are built per call. Compiled, a call runs at the shapes of
+    :mod:`flexsparse.runtime.buckets`: lengths padded to their bucket, the batch in power-of-two parts, each
+    part with its rows of the positions and modes (a content-dependent pattern is resolved again on the part).
     """
 
     def __init__(self, layer_patterns: Sequence[Pattern], compiled: bool = True, kernel_options: dict | None = None):
@@ -60,37 +68,73 @@ class FlexExecutor(Executor):
 
     def run(self, call, patterns, modes, heads):
         q, k, v = heads.pick(call)
-        geo, q_len = call.geometry, call.geometry.q_len
-        if self.compiled and not geo.is_contiguous:
-            q, k, v, geo = _bucketed(q, k, v, geo)
-        block_mask = self._block_mask(geo, patterns, modes, heads, call.needs_grad)
+        parts = buckets.batch_parts(q.shape[0]) if self.compiled else [(0, q.shape[0])]
+        if len(parts) == 1:
+            return self._run_part(call.geometry, q, k, v, patterns, modes, heads, call.scale, call.needs_grad)
+        outputs = []
+        for start, size in parts:  # each part a call of its own rows: positions, modes, resolved patterns
+            rows = slice(start, start + size)
+            geo = _batch_rows(call.geometry, start, size)
+            part_patterns = [self._part_pattern(i, p, call, rows, geo) for i, p in enumerate(patterns)]
+            part_modes = GroupModes(modes.per_head[rows] if modes.per_head.shape[0] > 1 else modes.per_head,
+                                    modes.host)
+            outputs.append(self._run_part(geo, q[rows], k[rows], v[rows], part_patterns, part_modes, heads,
+                                          call.scale, call.needs_grad))
+        return torch.cat(outputs)
+
+    def _part_pattern(self, index: int, pattern: Pattern | None, call, rows: slice,
+                      geo: Geometry) -> Pattern | None:
+        """Mode ``index``'s pattern for a batch part: a content-dependent layer pattern resolved on the part's
+        rows (its resolution for the whole call holds data of every batch element), any other as it is."""
+        layer = self.layer_patterns[index] if index < len(self.layer_patterns) else None
+        if pattern is None or layer is None or pattern is layer or not layer.is_dynamic:
+            return pattern
+        return layer.resolve(call.q[rows], call.k[rows], geo)
+
+    def _run_part(self, geo: Geometry, q: Tensor, k: Tensor, v: Tensor, patterns, modes: GroupModes,
+                  heads: HeadSelection, scale: float, needs_grad: bool) -> Tensor:
+        """One launch: q/k/v of one batch part (the whole batch when it is a power of two) at the geometry's
+        compiled shape, output cut back to the geometry's queries."""
+        cache = self._mask_set(geo)
+        run_geo = cache.geometry
+        if self.compiled and not run_geo.is_contiguous:  # bucket lengths, contiguous strides: one variant
+            q = _padded(q, run_geo.q_len)
+            k, v = _padded(k, run_geo.kv_len), _padded(v, run_geo.kv_len)
+        block_mask = self._block_mask(cache, patterns, modes, heads, needs_grad)
         if self.compiled:
-            out = run_flex(q, k, v, block_mask, call.scale, self.kernel_options)
+            out = run_flex(q, k, v, block_mask, scale, self.kernel_options)
         else:
             with warnings.catch_warnings():  # chosen explicitly and bounded by max_dense_len
                 warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile")
-                out = flex_attention(q, k, v, block_mask=block_mask, scale=call.scale,
+                out = flex_attention(q, k, v, block_mask=block_mask, scale=scale,
                                      enable_gqa=q.shape[1] != k.shape[1])
-        return out if out.shape[2] == q_len else out[:, :, :q_len]
+        return out if out.shape[2] == geo.q_len else out[:, :, :geo.q_len]
 
     # ----- masks ---------------------------------------------------------------------------------------------
 
     def _mask_set(self, geo: Geometry) -> _MaskSet:
-        """The cache for this geometry: per layer for the contiguous layout, on the positions otherwise."""
-        key = (geo.num_heads, geo.q_len, geo.kv_len, geo.block_size, geo.device)
+        """The cache for a call's geometry: per layer for the contiguous layout (with the geometry the layer
+        runs it at), on the positions of the geometry it runs at otherwise."""
+        run_at = buckets.compiled_geometry if self.compiled else lambda g: g
         if geo.is_contiguous:
+            key = (geo.num_heads, geo.q_len, geo.kv_len, geo.block_size, geo.device, buckets.PREFILL_POLICY)
             found = self._contiguous.get(key)
             if found is None:
-                found = self._contiguous[key] = _MaskSet()
+                found = self._contiguous[key] = _MaskSet(run_at(geo))
                 if len(self._contiguous) > _CONTIGUOUS_CACHE_SIZE:
                     self._contiguous.popitem(last=False)
             self._contiguous.move_to_end(key)
             return found
-        return geo.positions.memo.setdefault(("flex masks", id(self)) + key, _MaskSet())
+        run_geo = run_at(geo)
+        memo_key = ("flex masks", id(self), geo.num_heads, run_geo.q_len, run_geo.kv_len, geo.block_size)
+        found = run_geo.positions.memo.get(memo_key)
+        if found is None:
+            found = run_geo.positions.memo[memo_key] = _MaskSet(run_geo)
+        return found
 
-    def _parts(self, geo: Geometry, patterns: Sequence[Pattern | None]):
+    def _parts(self, cache: _MaskSet, patterns: Sequence[Pattern | None]):
         """(mask_mods, block masks, cacheable) per mode; unused modes borrow a used mode's (never selected)."""
-        cache = self._mask_set(geo)
+        geo = cache.geometry
         filler = next(i for i, p in enumerate(patterns) if p is not None)
         mods, masks, cacheable = [], [], True
         for index, pattern in enumerate(patterns):
@@ -106,11 +150,12 @@ class FlexExecutor(Executor):
                 cacheable = False
                 mods.append(pattern.mask_mod(geo))
                 masks.append(pattern.block_mask(geo))
-        return cache, mods, masks, cacheable
+        return mods, masks, cacheable
 
-    def _block_mask(self, geo: Geometry, patterns, modes: GroupModes, heads: HeadSelection,
+    def _block_mask(self, cache: _MaskSet, patterns, modes: GroupModes, heads: HeadSelection,
                     needs_grad: bool) -> BlockMask:
-        cache, mods, masks, cacheable = self._parts(geo, patterns)
+        mods, masks, cacheable = self._parts(cache, patterns)
+        geo = cache.geometry
         uniform = modes.uniform
         if uniform is not None and (heads.is_all or masks[uniform].kv_num_blocks.shape[1] == 1):
             return masks[uniform]  # one pattern for every selected head: its own mask, no dispatch
@@ -138,18 +183,25 @@ def _canonical(t: Tensor) -> Tensor:
         memory_format=torch.contiguous_format)
 
 
-def _bucketed(q: Tensor, k: Tensor, v: Tensor, geo: Geometry) -> tuple[Tensor, Tensor, Tensor, Geometry]:
-    """q/k/v and geometry padded to bucket lengths (padding rows and slots hold padding positions), with
-    contiguous strides, so that every call of a bucket runs the same compiled variant. Inputs that already have
-    bucket lengths and contiguous strides (a KV cache's buffers) are not copied."""
-    kv_len = kv_bucket(geo.kv_len, geo.block_size)
-    q_len = min(q_bucket(geo.q_len, geo.block_size), kv_len)
-    if (q_len, kv_len) == (geo.q_len, geo.kv_len):
-        return _canonical(q), _canonical(k), _canonical(v), geo
-    memo_key = ("padded", q_len, kv_len)
-    positions = geo.positions.memo.get(memo_key)
-    if positions is None:
-        positions = geo.positions.memo[memo_key] = geo.positions.padded(q_len, kv_len)
-    pad = lambda t, length: F.pad(t, (0, 0, 0, length - t.shape[2]))
-    return (pad(q, q_len), pad(k, kv_len), pad(v, kv_len),
-            Geometry(geo.num_heads, q_len, kv_len, geo.block_size, geo.device, positions))
+def _padded(t: Tensor, length: int) -> Tensor:
+    """``t`` ``[B, H, L, d]`` with zero rows appended up to ``length``, contiguous (so every call of a bucket
+    runs the same compiled variant); inputs that already have the length and contiguous strides are not
+    copied."""
+    if t.shape[2] == length:
+        return _canonical(t)
+    return F.pad(t, (0, 0, 0, length - t.shape[2]))
+
+
+def _batch_rows(geo: Geometry, start: int, size: int) -> Geometry:
+    """The geometry of batch elements ``start .. start + size``: ``geo`` itself when its positions are
+    shared by the batch, else one with those rows of the position tables (memoised on the positions, so every
+    layer of a forward shares the part's tables and the masks memoised on them)."""
+    positions = geo.positions
+    if positions is None or positions.batch == 1:
+        return geo
+    key = ("batch rows", start, size)
+    part = positions.memo.get(key)
+    if part is None:
+        rows = lambda table: table if table.shape[0] == 1 else table[start:start + size]
+        part = positions.memo[key] = Positions(rows(positions.q), rows(positions.kv), positions.span)
+    return Geometry(geo.num_heads, geo.q_len, geo.kv_len, geo.block_size, geo.device, part)
