@@ -233,16 +233,16 @@ def test_one_launch_decode_serves_full_and_full_decoding_heads(kind, monkeypatch
     """TriangleMix and XAttention heads share the full heads' buffer, so a layer of them and full heads (and a
     sink+window ring) decodes in one kernel call per step (here in the Triton interpreter), equal to a
     DynamicCache's decode across a growth of the buffers."""
-    import flexsparse.integrations.kv_cache as kv_cache
+    from flexsparse.kernels.decode import DecodeStep
 
     calls = []
-    step_kernel = kv_cache.DecodeStep.__call__
+    step_kernel = DecodeStep.__call__
 
     def counted_step(*args, **kwargs):
         calls.append(1)
         return step_kernel(*args, **kwargs)
 
-    monkeypatch.setattr(kv_cache.DecodeStep, "__call__", counted_step)
+    monkeypatch.setattr(DecodeStep, "__call__", counted_step)
     model = converted(kind)
     ids, mask = left_padded([30, 22])
     extra = torch.randint(1, 90, (2, 6), generator=torch.Generator().manual_seed(4))
