@@ -307,7 +307,7 @@ def test_converted_llama_serves_any_prompt_length_batch_and_padding():
 
 @pytest.mark.gpu
 def test_gpu_training_over_varied_lengths_and_batches_compiles_a_bounded_set():
-    """Forward and backward through compiled flex (inductor) on CUDA over 12 lengths and batch sizes 1 to 3:
+    """Forward and backward through compiled flex (inductor) on CUDA over 6 lengths and batch sizes 1 to 3:
     outputs and gradients as the float64 reference (bf16 tolerances of tests/test_gpu.py), variants at most
     the key buckets x 2 batch part sizes x 2 layouts (arithmetic on the grid, tables)."""
     from flexsparse.reference import attention as reference
@@ -315,7 +315,7 @@ def test_gpu_training_over_varied_lengths_and_batches_compiles_a_bounded_set():
     heads, kv_heads, dim = 8, 4, 64
     patterns = {"full": Causal(), "ssa": SinkWindow(64, 256), "ta": TriangleMix(64, 256, last_q=128),
                 "esa": ESA(3, 8, 64, heads)}
-    lengths = [100, 129, 300, 511, 512, 700, 1000, 1024, 1500, 2000, 2048, 1800]
+    lengths = [100, 129, 200, 256, 300, 500]
     with patch.object(compiled, "_compiled_flex_attention", None):  # inductor's, not the recorder
         attn = HybridAttention(heads, kv_heads, dim, patterns, list(patterns), backend="flex", plan="fused")
         gen = torch.Generator(device="cuda").manual_seed(0)
