@@ -9,10 +9,11 @@
 #                  while warm, ~30 s); command:
 #                  bench/ship_model.sh stash && bench/ship_model.sh join && \
 #                  PYTHONPATH=/tmp/flexsparse-ship/site:. python bench/quality_smollm2.py \
-#                      --model /tmp/flexsparse-ship/model.gguf --out $OUT/quality
+#                      --model /tmp/flexsparse-ship/SmolLM2-135M-Instruct.Q4_1.gguf --out $OUT/quality
 #
-# `join` checks the SHA-256 of the joined file and installs the wheel into /tmp/flexsparse-ship/site (gguf needs
-# numpy, pyyaml and tqdm, which transformers already requires; its `requests` import is only for downloads).
+# `join` writes the file under its own name, checks its SHA-256 and installs the wheel into
+# /tmp/flexsparse-ship/site (gguf needs numpy, pyyaml and tqdm, which transformers already requires; its `requests`
+# import is only for downloads). Loading the GGUF also needs `accelerate` (transformers' GGUF path requires it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SHIP=bench/results/ship
@@ -24,7 +25,7 @@ case "${1:-}" in
     model=$("$PYTHON" -c "from flexsparse.eval.models import default_model_path; print(default_model_path())")
     rm -rf "$SHIP" && mkdir -p "$SHIP"
     split -b 50M "$model" "$SHIP/part-"
-    (cd "$(dirname "$model")" && sha256sum "$(basename "$model")") | awk '{print $1 "  model.gguf"}' > "$SHIP/model.sha256"
+    (cd "$(dirname "$model")" && sha256sum "$(basename "$model")") > "$SHIP/model.sha256"
     "$PYTHON" -m pip download --no-deps --quiet gguf -d "$SHIP"
     ls -l "$SHIP"
     ;;
@@ -36,7 +37,8 @@ case "${1:-}" in
     ls -l "$STASH"
     ;;
   join)
-    cat "$STASH"/part-* > "$STASH/model.gguf"
+    name=$(awk '{print $2}' "$STASH/model.sha256")
+    cat "$STASH"/part-* > "$STASH/$name"
     (cd "$STASH" && sha256sum -c model.sha256)
     "$PYTHON" -m pip install --quiet --no-deps --no-index --target "$STASH/site" "$STASH"/gguf-*.whl
     ;;

@@ -51,11 +51,15 @@ def test_perplexity_equals_the_models_own_loss_and_sink_window_measures_its_dens
 
 def test_forced_scoring_equals_greedy_generation():
     from flexsparse.eval.runner import forced_accuracy
-    from flexsparse.eval.tasks import TASKS
+    from flexsparse.eval.tasks import TASKS, Prompt
 
     loaded = real_model()
-    prompts = TASKS["passkey"].prompts(real_corpus(), loaded.tokenizer, 384, 2, seed=3)
-    forced = forced_accuracy(loaded.model, prompts, batch_size=2)
+    prompts = TASKS["passkey"].prompts(real_corpus(), loaded.tokenizer, 256, 2, seed=3)
+    right = prompts[0]
+    wrong = Prompt(right.ids[:-right.answer_len] + prompts[1].ids[-right.answer_len:], right.answer_len)
+    prompts.append(wrong)  # asks for the first prompt's key, answered with the second's
+    forced = forced_accuracy(loaded.model, prompts, batch_size=3)
+    assert forced[2] == 0.0
     for prompt, score in zip(prompts, forced):
         question = torch.tensor([prompt.ids[:-prompt.answer_len]])
         with torch.no_grad():
@@ -65,16 +69,15 @@ def test_forced_scoring_equals_greedy_generation():
 
 
 def test_esa_in_a_model_not_trained_with_it_loses_its_quality():
-    full, index, esa = _evaluate(["full", "index:sink=16,window=64", "esa:attn_length=64"], ["perplexity"], 512, 1)
-    assert index.value < 1.5 * full.value
-    assert esa.value > 2.0 * full.value  # measured x3.8 at 256 tokens; x13-26 on the GPU at 2K-8K
+    full, esa = _evaluate(["full", "esa:attn_length=64"], ["perplexity"], 256, 2)
+    assert esa.value > 2.0 * full.value  # measured x3.8 here; x13-26 on the GPU at 2K-8K with attn_length 256
 
 
 def test_generation_task_runs_through_the_sparse_cache_and_measures_prefill_density():
-    (record,) = _evaluate(["ssa:sink=16,window=64"], ["multivalue"], 512, 1)
+    (record,) = _evaluate(["ssa:sink=16,window=64"], ["multivalue"], 384, 1)
     assert (record.task, record.metric, record.n) == ("multivalue", "recall", 1)
     assert 0.0 <= record.value <= 1.0
-    assert record.density == pytest.approx(brute_tile_density(16, 64, 512, 128), abs=1e-6)
+    assert record.density == pytest.approx(brute_tile_density(16, 64, 384, 128), abs=1e-6)
 
 
 def test_prompts_have_their_length_needles_and_answers():

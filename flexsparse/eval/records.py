@@ -20,7 +20,8 @@ class Record:
     (query tile, key tile) pairs the attention computes, averaged over layers and prefill forwards (1.0 for the
     model's own attention). ``kv_bytes``: KV cache bytes one sequence of ``length`` tokens needs under the method
     (:func:`flexsparse.integrations.kv_memory_formula`; every key for routed models and full attention).
-    ``seconds``: wall time of the measurement (model forwards and scoring).
+    ``seconds``: wall time of the measurement (model forwards and scoring; a calibrated method's calibration,
+    done once before its first record, is not included).
     """
 
     method: str

@@ -259,8 +259,8 @@ def evaluate(loaded: LoadedModel, methods: Sequence[Method], tasks: Sequence[str
     records: list[Record] = []
     for method in methods:
         torch.manual_seed(seed)
-        method.apply(setup)
         try:
+            method.apply(setup)
             for task, task_sizes in plan:
                 for length in task_sizes:
                     record = run_task(setup, task, length, trials, batch_tokens, seed, method.name, loaded.name,

@@ -4,9 +4,10 @@
 A retrieval task builds prompts of exactly ``length`` tokens (common-word lists: at most ``length``, left-padded
 in a batch) from pieces tokenized separately. Two ways of scoring:
 
-* ``forced`` (passkey, multikey): the prompt ends with the answer; a prompt scores 1 when the model's greedy
-  choice at every answer token is that token, given the answer's previous tokens. This is exactly whether greedy
-  decoding would produce the answer, computed in one forward (no generation).
+* ``forced`` (passkey, multikey): the prompt ends with the answer (the value's own tokens; a whitespace token
+  before it belongs to the question); a prompt scores 1 when the model's greedy choice at every answer token is
+  that token, given the answer's previous tokens. This is exactly whether greedy decoding would produce the
+  answer, computed in one forward (no generation).
 * ``generate`` (multivalue, vartrack, cwe): greedy generation of ``max_new_tokens`` after the prompt; the score
   is the fraction of the expected strings found in the generated text.
 
@@ -84,6 +85,15 @@ def _spread(depth: float, count: int) -> list[float]:
     return [0.1 + 0.8 * (((depth - 0.1) / 0.8 + i / count) % 1.0) for i in range(count)]
 
 
+def _answer(tokenizer, question: str, answer: str) -> tuple[list[int], list[int]]:
+    """Token ids of ``question`` and of ``answer`` after it; whitespace-only tokens that open the answer (SmolLM2
+    writes " 41072" as " " + digits) end the question instead, so the answer is the value's own tokens."""
+    asked, told = encode(tokenizer, question), encode(tokenizer, answer)
+    while len(told) > 1 and not tokenizer.decode(told[:1]).strip():
+        asked, told = asked + told[:1], told[1:]
+    return asked, told
+
+
 def _locate(ids: list[int], needle: list[int], start: int = 0) -> int:
     for i in range(start, len(ids) - len(needle) + 1):
         if ids[i:i + len(needle)] == needle:
@@ -98,8 +108,8 @@ def passkey_prompt(corpus: Corpus, tokenizer, length: int, rng: random.Random, d
     intro = encode(tokenizer, "There is a pass key hidden inside a lot of irrelevant text. Find it and memorize "
                               "it. I will quiz you about the pass key.\n\n")
     needle = encode(tokenizer, f"\nThe pass key is {key}. Remember it. {key} is the pass key.\n")
-    question = encode(tokenizer, "\n\nWhat is the pass key? The pass key is")
-    answer = encode(tokenizer, f" {key}") if with_answer else []
+    question, answer = _answer(tokenizer, "\n\nWhat is the pass key? The pass key is", f" {key}")
+    answer = answer if with_answer else []
     hay = _fill(corpus, length, len(intro) + len(needle) + len(question) + len(answer), rng, split, "passkey")
     ids = intro + insert_at_depths(hay, [needle], [depth]) + question + answer
     start, digits = _locate(ids, needle), encode(tokenizer, key)
@@ -115,9 +125,8 @@ def _multikey(corpus: Corpus, tokenizer, length: int, rng: random.Random, depth:
     asked = rng.randrange(len(keys))
     intro = encode(tokenizer, "Some secret numbers are hidden inside the text below. Memorize them.\n\n")
     needles = [encode(tokenizer, f"\nThe secret number of the {k} is {v}.\n") for k, v in zip(keys, values)]
-    question = encode(tokenizer, f"\n\nWhat is the secret number of the {keys[asked]}? The secret number of the "
-                                 f"{keys[asked]} is")
-    answer = encode(tokenizer, f" {values[asked]}")
+    question, answer = _answer(tokenizer, f"\n\nWhat is the secret number of the {keys[asked]}? The secret "
+                                          f"number of the {keys[asked]} is", f" {values[asked]}")
     fixed = len(intro) + sum(map(len, needles)) + len(question) + len(answer)
     hay = _fill(corpus, length, fixed, rng, split, "multikey")
     ids = intro + insert_at_depths(hay, needles, _spread(depth, len(needles))) + question + answer

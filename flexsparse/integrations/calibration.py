@@ -376,8 +376,9 @@ def calibration_scores(model: nn.Module, tokenizer, method: str, *, sparse: Patt
         raise TypeError(f"sparse must be a flexsparse Pattern, got {type(sparse).__name__}")
     corpus = Corpus.from_text(tokenizer) if corpus is None else corpus
     device = next(model.parameters()).device
-    if batch_size is None:
-        batch_size = max(1, 16384 // length) if device.type == "cuda" else 1
+    if batch_size is None:  # gate training keeps activations for the backward: half the tokens per step
+        tokens = 8192 if method == "gates" else 16384
+        batch_size = max(1, tokens // length) if device.type == "cuda" else 1
     batch_size = as_int("batch_size", batch_size, minimum=1)
     if method == "hsa":
         return hsa_scores(model, text_inputs(corpus, length, samples), sparse, batch_size=batch_size,
@@ -413,7 +414,7 @@ def calibrate(model: nn.Module, tokenizer, *, method: str = "retrieval", budget:
         corpus: calibration text (its calibration part is used; default the pydoc topics).
         length, samples: tokens per calibration prompt and number of prompts (gates: half text windows, half
             passkey prompts).
-        batch_size: prompts per forward (default: 16K tokens per batch on CUDA, 1 on CPU).
+        batch_size: prompts per forward (default on CUDA: 16K tokens per batch, 8K for gates; 1 on CPU).
         gates: training options of the ``gates`` selector.
     """
     scores = calibration_scores(model, tokenizer, method, sparse=sparse, corpus=corpus, length=length,
