@@ -22,7 +22,8 @@ from flexsparse.runtime.compiled import RecompileLimitError
 
 __version__ = "0.1.0"
 
-_INTEGRATION = ("RouterTrainer", "SparseKVCache", "convert", "load_config", "revert", "save_config")
+_INTEGRATION = ("RouterTrainer", "SparseKVCache", "calibrate", "convert", "load_config", "revert",
+                "save_config")
 
 
 def __getattr__(name: str):
@@ -52,6 +53,7 @@ __all__ = [
     "TriangleMix",
     "Union",
     "XAttention",
+    "calibrate",
     "convert",
     "effective_sparsity_ratio",
     "load_config",

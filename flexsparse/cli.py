@@ -1,4 +1,4 @@
-"""Command line: `flexsparse demo [--hf] | verify | bench [--hf] | show`.
+"""Command line: `flexsparse demo [--hf] | verify | bench [--hf] | show | eval | calibrate`.
 
 Exit codes: 0 success (for `verify`: hole-free), 1 `verify` found a hole, 2 a usage or input error, reported as
 one line on stderr (argparse's own usage errors also exit 2).
@@ -264,6 +264,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "memory, generate() tokens/s (writes hf-bench.json)")
     bench.add_argument("--smoke", action="store_true", help="with --hf: toy sizes on the CPU (checks the suite)")
     bench.set_defaults(run=_bench)
+
+    from flexsparse.eval.cli import add_calibrate_command, add_eval_command
+
+    add_eval_command(sub)
+    add_calibrate_command(sub)
     return parser
 
 

@@ -1,6 +1,8 @@
 """flexsparse inside model libraries. ``transformers``: convert / revert a causal LM, a sparse KV cache for
-``generate()``, routers inside a converted model and their trainer, and its saved configuration (needs the ``hf`` extra: ``pip install flexsparse[hf]``)."""
+``generate()``, calibration of its full heads on real text, routers inside a converted model and their trainer, and
+its saved configuration (needs the ``hf`` extra: ``pip install flexsparse[hf]``)."""
 
+from flexsparse.integrations.calibration import Calibration, calibrate
 from flexsparse.integrations.kv_cache import SparseKVCache, kv_memory_formula
 from flexsparse.integrations.router_trainer import RouterTrainer
 from flexsparse.integrations.routing import (
@@ -24,9 +26,11 @@ from flexsparse.integrations.transformers import (
 
 __all__ = [
     "ATTENTION_NAME",
+    "Calibration",
     "RouterTrainer",
     "SparseKVCache",
     "cache_argument",
+    "calibrate",
     "convert",
     "fused_routers",
     "is_converted",

@@ -65,7 +65,11 @@ def _slot_index(start: Tensor, window: Tensor, j: Tensor, head: Tensor, w: int, 
 
 
 class ESA(Pattern):
-    """Elastic Sparse Attention for layer ``layer_idx`` of ``num_layers``, ``num_heads`` query heads."""
+    """Elastic Sparse Attention for layer ``layer_idx`` of ``num_layers``, ``num_heads`` query heads.
+
+    A pattern models must be trained with: put into a pretrained model that was not, it destroys quality
+    (SmolLM2-135M at attn_length 256: perplexity x13-26 at 2K-8K; ``flexsparse eval --methods full esa`` shows it).
+    """
 
     name = "esa"
 

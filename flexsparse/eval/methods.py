@@ -1,0 +1,190 @@
+"""Attention methods to evaluate, from short specs: ``name`` or ``name:key=value,...``.
+
+==============  ============================================================================================
+``full``        the model's own attention (SDPA), unconverted: the reference
+``ssa``         every KV head sink + window (``sink=64,window=256``)
+``index``       the first ``full=1`` KV heads of every layer full, the others sink + window
+``xa``          XAttention on every head (``threshold=0.9,stride=16,block_size=128``)
+``triangle``    TriangleMix on every head (``sink=64,window=256,last_q=128``)
+``esa``         ESA on every head (``attn_length=256``); a model not trained with ESA loses its quality
+``hsa``         calibrated selectors (:mod:`flexsparse.integrations.calibration`): ``budget=0.3333`` of the
+``retrieval``   KV heads full (``global=1``: one ranking over the model instead of the same count per layer),
+``entropy``     the others sink + window (``sink``, ``window``); scores come from the calibration part of the
+``gates``       corpus, never from the evaluated text, and are computed once per run and selector
+==============  ============================================================================================
+
+A saved configuration (``flexsparse.save_config`` or ``flexsparse calibrate --out DIR``, routers included) is a
+method too: :class:`ConfigMethod`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from torch import nn
+
+from flexsparse.eval.text import Corpus
+from flexsparse.integrations import convert, load_config
+from flexsparse.integrations.calibration import SELECTORS, GateOptions, calibration_scores, select
+from flexsparse.integrations.layer import sparse_layers
+from flexsparse.integrations.transformers import attention_layers, layer_heads
+from flexsparse.masks import ESA, Causal, Pattern, SinkWindow, TriangleMix, XAttention
+from flexsparse.specs import split_spec
+
+BACKENDS = ("dense", "flex", "flex_eager")
+
+
+@dataclass
+class Setup:
+    """What methods are applied with: the model and tokenizer, the corpus (calibration part for selectors),
+    the attention ``backend`` and ``block_size``, and the calibration settings. ``scores`` caches calibration
+    scores per (selector, sparse pattern)."""
+
+    model: nn.Module
+    tokenizer: object
+    corpus: Corpus
+    backend: str = "dense"
+    block_size: int = 128
+    calibration_length: int = 2048
+    calibration_samples: int = 8
+    gates: GateOptions = GateOptions()
+    seed: int = 0
+    progress: bool = False
+    scores: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+
+    def shape(self) -> tuple[int, int, int]:
+        """(layers, query heads, KV heads) of the model."""
+        layers = attention_layers(self.model)
+        heads, kv_heads, _ = layer_heads(layers[0][1])
+        return len(layers), heads, kv_heads
+
+    def convert(self, patterns, modes) -> None:
+        convert(self.model, patterns, modes, backend=self.backend, block_size=self.block_size)
+
+
+class Method(ABC):
+    """An attention method: ``name`` (its spec) and :meth:`apply`, which converts the model (or leaves it
+    unconverted: the model's own attention)."""
+
+    name: str
+
+    @abstractmethod
+    def apply(self, setup: Setup) -> None:
+        """Convert ``setup.model`` for this method (the runner reverts it afterwards)."""
+
+
+@dataclass
+class FullMethod(Method):
+    name: str = "full"
+
+    def apply(self, setup: Setup) -> None:
+        return None
+
+
+@dataclass
+class StaticMethod(Method):
+    """The first ``full_heads`` KV heads of every layer full (causal), the others in ``pattern(layer, layers,
+    query heads)``; return one shared object for every layer where the pattern does not depend on the layer (the
+    layers then share masks and compiled kernels)."""
+
+    name: str
+    pattern: Callable[[int, int, int], Pattern]
+    full_heads: int = 0
+
+    def apply(self, setup: Setup) -> None:
+        layers, heads, kv_heads = setup.shape()
+        if self.full_heads > kv_heads:
+            raise ValueError(f"method {self.name!r}: full={self.full_heads} exceeds the {kv_heads} KV heads per "
+                             "layer")
+        patterns = [{"full": Causal(), "sparse": self.pattern(i, layers, heads)} for i in range(layers)]
+        modes = [["full"] * self.full_heads + ["sparse"] * (kv_heads - self.full_heads)] * layers
+        setup.convert(patterns, modes)
+
+
+@dataclass
+class SelectedMethod(Method):
+    """Heads chosen by a calibration selector under a budget; the others run ``sparse``."""
+
+    name: str
+    selector: str
+    sparse: SinkWindow
+    budget: float = 1 / 3
+    per_layer: bool = True
+
+    def apply(self, setup: Setup) -> None:
+        key = (self.selector, self.sparse.sink, self.sparse.window)
+        if key not in setup.scores:
+            setup.scores[key] = calibration_scores(
+                setup.model, setup.tokenizer, self.selector, sparse=self.sparse, corpus=setup.corpus,
+                length=setup.calibration_length, samples=setup.calibration_samples, gates=setup.gates,
+                seed=setup.seed, progress=setup.progress)
+        modes = select(setup.scores[key], self.budget, per_layer=self.per_layer,
+                       layer_scores=self.selector == "entropy")
+        setup.convert({"full": Causal(), "sparse": self.sparse}, modes)
+
+
+@dataclass
+class ConfigMethod(Method):
+    """A saved configuration (:func:`flexsparse.save_config`), run on ``setup.backend``."""
+
+    directory: Path
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        self.directory = Path(self.directory)
+        if not self.name:
+            self.name = f"config:{self.directory.name}"
+
+    def apply(self, setup: Setup) -> None:
+        load_config(setup.model, self.directory)
+        for layer in sparse_layers(setup.model):  # the saved backend is the saving machine's; run this run's
+            layer.attention.backend = setup.backend
+            layer.options["backend"] = setup.backend
+
+
+_OPTIONS = {
+    "full": set(), "ssa": {"sink", "window"}, "index": {"full", "sink", "window"},
+    "xa": {"threshold", "stride", "block_size"}, "triangle": {"sink", "window", "last_q"}, "esa": {"attn_length"},
+    **{name: {"budget", "global", "sink", "window"} for name in SELECTORS},
+}
+
+
+def parse_method(spec: str) -> Method:
+    """A method from its spec (see the module docstring); ValueError naming the spec on bad input."""
+    name, options = split_spec(spec)
+    if name not in _OPTIONS:
+        raise ValueError(f"unknown method {name!r} in {spec!r}; known: {sorted(_OPTIONS)} (or --config DIR)")
+    unknown = sorted(set(options) - _OPTIONS[name])
+    if unknown:
+        raise ValueError(f"method {spec!r}: unknown options {unknown}; {name} takes {sorted(_OPTIONS[name])}")
+    try:
+        window = SinkWindow(sink=int(options.get("sink", 64)), window=int(options.get("window", 256)))
+        if name == "full":
+            return FullMethod(spec)
+        if name in ("ssa", "index"):
+            full = int(options.get("full", 1)) if name == "index" else 0
+            return StaticMethod(spec, lambda *_: window, full_heads=full)
+        if name == "xa":
+            xa = XAttention(threshold=float(options.get("threshold", 0.9)), stride=int(options.get("stride", 16)),
+                            block_size=int(options.get("block_size", 128)))
+            return StaticMethod(spec, lambda *_: xa)
+        if name == "triangle":
+            triangle = TriangleMix(window.sink, window.window, int(options.get("last_q", 128)))
+            return StaticMethod(spec, lambda *_: triangle)
+        if name == "esa":
+            attn_length = int(options.get("attn_length", 256))
+            ESA(0, 1, attn_length, 1)  # checks the options now, not after the model is loaded
+            return StaticMethod(spec, lambda layer, layers, heads: ESA(layer, layers, attn_length, heads))
+        budget = float(options.get("budget", 1 / 3))
+        if not 0.0 <= budget <= 1.0:
+            raise ValueError(f"budget must be in [0, 1], got {budget}")
+        return SelectedMethod(spec, name, window, budget, per_layer=not options.get("global", 0))
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"method {spec!r}: {err}") from None

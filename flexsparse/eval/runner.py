@@ -1,0 +1,274 @@
+"""Running an evaluation: every method on every task and length, as :class:`~flexsparse.eval.records.Record`s.
+
+For each method the model is converted once (calibrated methods calibrate first, on the corpus's calibration
+part), every task and length runs, and the model is reverted. Prompts run in batches of about ``batch_tokens``
+tokens. Perplexity and forced-answer tasks take one forward per batch without a cache; the LM head runs on the
+needed positions only, in chunks (a full ``[B, S, vocab]`` logits tensor at 8K tokens would take gigabytes).
+Generation tasks run ``generate()`` (greedy; a converted model uses the sparse KV cache).
+
+Density is measured, not computed from a formula: a forward hook on every converted layer's HybridAttention reads
+``last_stats.block_density`` after each prefill call over all its heads, and a record holds the mean over layers
+and prefills (XAttention's depends on the input).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from flexsparse.eval.methods import Method, Setup
+from flexsparse.eval.models import LoadedModel
+from flexsparse.eval.records import Record
+from flexsparse.eval.tasks import Prompt, Task, get_task, recall
+from flexsparse.eval.text import Corpus
+from flexsparse.integrations import is_converted, kv_memory_formula, revert
+from flexsparse.integrations.calibration import GateOptions
+from flexsparse.integrations.layer import sparse_layers
+from flexsparse.integrations.transformers import attention_layers, layer_heads
+from flexsparse.runtime import compiled
+
+_HEAD_CHUNK = 2048  # positions per LM-head chunk (2048 x 49,152 float32 logits: 400 MB)
+
+
+class DensityMeter:
+    """Block densities of the prefill calls of a converted model's layers while active (a context manager)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.values: list[Tensor] = []
+        self._handles: list = []
+
+    def _hook(self, module, args, kwargs, output) -> None:
+        q, k = args[0], args[1]
+        if q.shape[2] == k.shape[2] and kwargs.get("kv_heads") is None:
+            self.values.append(module.last_stats.block_density.detach().float())
+
+    def __enter__(self) -> DensityMeter:
+        for layer in sparse_layers(self.model):
+            self._handles.append(layer.attention.register_forward_hook(self._hook, with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def density(self) -> float:
+        """Mean density over the recorded calls; 1.0 for an unconverted model (its own full attention)."""
+        if not sparse_layers(self.model):
+            return 1.0
+        if not self.values:
+            raise RuntimeError("no prefill call of a converted layer was recorded")
+        return float(torch.stack([v.to(self.values[0].device) for v in self.values]).mean())
+
+
+def kv_bytes(model: nn.Module, length: int) -> int:
+    """KV cache bytes of one sequence of ``length`` tokens under the model's current attention."""
+    layers = sparse_layers(model)
+    dtype = next(model.parameters()).dtype
+    if layers and not any(layer.router is not None for layer in layers):
+        return kv_memory_formula(model, 1, length, dtype)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    total = 0
+    for _, module in attention_layers(model):
+        _, kv_heads, dim = layer_heads(module)
+        total += 2 * kv_heads * dim * itemsize * length
+    return total
+
+
+# ----- model calls ------------------------------------------------------------------------------------------
+
+def _hidden(model: nn.Module, ids: Tensor) -> Tensor:
+    """Last hidden states ``[B, S, D]`` (after the final norm), without a cache."""
+    return model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
+
+
+def _logits(model: nn.Module, hidden: Tensor) -> Tensor:
+    """The LM head on ``hidden`` ``[..., D]``, float32, with the model's final logit soft-capping if it has one."""
+    logits = model.get_output_embeddings()(hidden).float()
+    cap = getattr(model.config.get_text_config(decoder=True), "final_logit_softcapping", None)
+    return logits if not cap else torch.tanh(logits / cap) * cap
+
+
+def _batches(items: Sequence, size: int) -> Iterator[Sequence]:
+    for start in range(0, len(items), size):
+        yield items[start:start + size]
+
+
+@torch.no_grad()
+def perplexity(model: nn.Module, windows: Tensor, batch_size: int, progress=None) -> float:
+    """exp(mean next-token NLL) over every predicted token of ``windows`` ``[N, S]``."""
+    device = next(model.parameters()).device
+    nll, count = 0.0, 0
+    for batch in _batches(windows, batch_size):
+        ids = batch.to(device)
+        hidden = _hidden(model, ids)[:, :-1]
+        hidden = hidden.reshape(-1, hidden.shape[-1])
+        targets = ids[:, 1:].reshape(-1)
+        for start in range(0, len(targets), _HEAD_CHUNK):
+            part = slice(start, start + _HEAD_CHUNK)
+            nll += float(F.cross_entropy(_logits(model, hidden[part]), targets[part], reduction="sum"))
+        count += len(targets)
+        if progress is not None:
+            progress(len(batch))
+    return math.exp(nll / count)
+
+
+@torch.no_grad()
+def forced_accuracy(model: nn.Module, prompts: Sequence[Prompt], batch_size: int, progress=None) -> list[float]:
+    """Per prompt 1.0 when greedy decoding reproduces its answer (every answer token is the argmax given the
+    previous ones), else 0.0. Prompts of one batch must have one length."""
+    device = next(model.parameters()).device
+    scores = []
+    for batch in _batches(prompts, batch_size):
+        ids = torch.tensor([p.ids for p in batch], dtype=torch.long, device=device)
+        hidden = _hidden(model, ids)
+        longest = max(p.answer_len for p in batch)
+        predicted = _logits(model, hidden[:, -longest - 1:-1]).argmax(-1)  # [B, longest]
+        for row, prompt in enumerate(batch):
+            answer = ids[row, -prompt.answer_len:]
+            scores.append(float(bool((predicted[row, -prompt.answer_len:] == answer).all())))
+        if progress is not None:
+            progress(len(batch))
+    return scores
+
+
+def _pad_token(tokenizer) -> int:
+    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0):
+        if candidate is not None:
+            return int(candidate)
+    return 0
+
+
+@torch.no_grad()
+def generated_recall(model: nn.Module, tokenizer, prompts: Sequence[Prompt], batch_size: int,
+                     progress=None) -> list[float]:
+    """Per prompt, the fraction of its expected strings in the greedy generation (left-padded batches)."""
+    device = next(model.parameters()).device
+    pad = _pad_token(tokenizer)
+    scores = []
+    for batch in _batches(prompts, batch_size):
+        width = max(len(p.ids) for p in batch)
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, prompt in enumerate(batch):
+            ids[row, width - len(prompt.ids):] = torch.tensor(prompt.ids)
+            mask[row, width - len(prompt.ids):] = 1
+        new_tokens = max(p.max_new_tokens for p in batch)
+        out = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=new_tokens,
+                             do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=pad)
+        texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+        scores += [recall(prompt.expected, text) for prompt, text in zip(batch, texts)]
+        if progress is not None:
+            progress(len(batch))
+    return scores
+
+
+# ----- the evaluation ---------------------------------------------------------------------------------------
+
+def _bar(total: int, description: str, enabled: bool):
+    if not enabled:
+        return contextlib.nullcontext(None)
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=description, leave=False, file=sys.stderr)
+
+
+def run_task(setup: Setup, task: Task, length: int, trials: int, batch_tokens: int, seed: int, method: str,
+             model_name: str, progress: bool) -> Record:
+    """One task at one length under the model's current attention."""
+    model = setup.model
+    batch_size = max(1, batch_tokens // length)
+    start = time.perf_counter()
+    with DensityMeter(model) as meter:
+        if task.kind == "perplexity":
+            windows = setup.corpus.windows(length, trials)
+            with _bar(len(windows), f"{method} {task.name} {length}", progress) as bar:
+                value = perplexity(model, windows, batch_size, bar.update if bar is not None else None)
+            n = len(windows)
+        else:
+            prompts = task.prompts(setup.corpus, setup.tokenizer, length, trials, seed)
+            with _bar(len(prompts), f"{method} {task.name} {length}", progress) as bar:
+                update = bar.update if bar is not None else None
+                if task.kind == "forced":
+                    scores = forced_accuracy(model, prompts, batch_size, update)
+                else:
+                    scores = generated_recall(model, setup.tokenizer, prompts, batch_size, update)
+            value, n = sum(scores) / len(scores), len(scores)
+    return Record(method, task.name, length, task.metric, value, n, meter.density(), kv_bytes(model, length),
+                  model_name, time.perf_counter() - start)
+
+
+def default_backend(device: torch.device, lengths: Sequence[int]) -> str:
+    """``dense`` on CPU and up to 8,192 tokens (no compilation; exact), compiled ``flex`` beyond."""
+    return "flex" if device.type == "cuda" and max(lengths) > 8192 else "dense"
+
+
+def evaluate(loaded: LoadedModel, methods: Sequence[Method], tasks: Sequence[str] = ("perplexity", "passkey"),
+             lengths: Sequence[int] = (2048,), trials: int = 20, *,
+             task_lengths: Mapping[str, Sequence[int]] | None = None,
+             corpus: Corpus | None = None, backend: str | None = None, batch_tokens: int | None = None,
+             calibration_length: int = 2048, calibration_samples: int = 8, gates: GateOptions = GateOptions(),
+             seed: int = 0, progress: bool = False,
+             on_record: Callable[[Record], None] | None = None) -> list[Record]:
+    """Evaluate ``methods`` on ``tasks`` at ``lengths`` (per task: ``task_lengths[task]`` where given).
+
+    Args:
+        loaded: the model (:func:`~flexsparse.eval.models.load_model`); it is converted per method and reverted.
+        methods: :func:`~flexsparse.eval.methods.parse_method`'s or
+            :class:`~flexsparse.eval.methods.ConfigMethod`.
+        tasks: names from :data:`~flexsparse.eval.tasks.TASKS`.
+        trials: prompts per task and length; perplexity: windows (as many as the held-out text holds, at most this).
+        corpus: the text (default: the pydoc topics); calibration uses its first part, tasks the rest.
+        backend: HybridAttention backend of converted methods (default :func:`default_backend`).
+        batch_tokens: tokens per forward (default 32K on CUDA, 4K on CPU).
+        calibration_length, calibration_samples, gates: settings of calibrated methods.
+        on_record: called with each record as soon as it is measured (e.g. to write partial results).
+    Returns the records in the order measured.
+    """
+    model = loaded.model
+    if is_converted(model):
+        raise ValueError("evaluate an unconverted model (flexsparse.revert(model) first): methods convert it")
+    task_lengths = dict(task_lengths or {})
+    plan = [(get_task(name), list(task_lengths.get(name, lengths))) for name in tasks]
+    context = loaded.max_length
+    for task, task_sizes in plan:
+        for length in task_sizes:
+            if not isinstance(length, int) or length < 64:
+                raise ValueError(f"lengths must be integers >= 64, got {length!r}")
+            if context is not None and length > context:
+                raise ValueError(f"length {length:,} exceeds the model's context of {context:,} tokens")
+    if not isinstance(trials, int) or trials < 1:
+        raise ValueError(f"trials must be an integer >= 1, got {trials!r}")
+    device = loaded.device
+    every_length = [n for _, sizes in plan for n in sizes]
+    setup = Setup(model, loaded.tokenizer, corpus or Corpus.from_text(loaded.tokenizer),
+                  backend or default_backend(device, every_length), calibration_length=calibration_length,
+                  calibration_samples=calibration_samples, gates=gates, seed=seed, progress=progress)
+    if batch_tokens is None:
+        batch_tokens = 32768 if device.type == "cuda" else 4096
+    # every method and length is its own compiled flex variant: raise the per-process limit for this run
+    compiled.MAX_COMPILED_VARIANTS = max(compiled.MAX_COMPILED_VARIANTS, 8 * len(methods) * len(every_length))
+    records: list[Record] = []
+    for method in methods:
+        torch.manual_seed(seed)
+        try:
+            method.apply(setup)
+            for task, task_sizes in plan:
+                for length in task_sizes:
+                    record = run_task(setup, task, length, trials, batch_tokens, seed, method.name, loaded.name,
+                                      progress)
+                    records.append(record)
+                    if on_record is not None:
+                        on_record(record)
+        finally:
+            if is_converted(model):
+                revert(model)
+    return records

@@ -1,0 +1,187 @@
+"""flexsparse.calibrate and `flexsparse calibrate` on the real default model (SmolLM2-135M-Instruct), CPU.
+
+Checks: the captured q/k give the retrieval scores computed from the model's own eager attention weights; the
+model is unchanged by calibration; DuoAttention-style gates at 1 and 0 give the full and the converted sparse
+model, and per-head gates map to the right heads; gate training reaches every gate; budgets select the top
+scores per layer or over the model; a calibrated configuration saves, loads with the same modes and lowers the
+measured density in `flexsparse eval --config`.
+"""
+
+import json
+
+import pytest
+import torch
+
+from tests.real_model import brute_tile_density, real_corpus, real_model, requires_model
+
+LAYERS, KV_HEADS = 30, 3
+SPARSE = {"sink": 16, "window": 64}
+
+
+def _window():
+    from flexsparse.masks import SinkWindow
+
+    return SinkWindow(**SPARSE)
+
+
+def test_budgets_select_the_top_scores_per_layer_or_over_the_model():
+    from flexsparse.integrations.calibration import select
+
+    scores = torch.arange(LAYERS * KV_HEADS, dtype=torch.float32).flip(0).view(LAYERS, KV_HEADS) % 7
+    per_layer = select(scores, 1 / 3)
+    assert all(modes.count("full") == 1 for modes in per_layer)
+    assert all(modes[int(scores[i].argmax())] == "full" for i, modes in enumerate(per_layer))
+    spread = select(scores, 1 / 3, per_layer=False)
+    chosen = torch.tensor([[m == "full" for m in modes] for modes in spread])
+    assert int(chosen.sum()) == 30
+    assert float(scores[chosen].min()) >= float(scores[~chosen].max())  # the top 30 scores of the model
+    assert len({int(row.sum()) for row in chosen}) > 1  # not the same count in every layer
+    layers = select(torch.arange(LAYERS, dtype=torch.float32)[:, None].expand(-1, KV_HEADS), 0.2, layer_scores=True)
+    assert [modes for modes in layers if modes == ["full"] * KV_HEADS] == [["full"] * KV_HEADS] * 6
+    assert select(scores, 0.0) == [["sparse"] * KV_HEADS] * LAYERS
+    with pytest.raises(ValueError, match="budget"):
+        select(scores, 1.5)
+
+
+@requires_model
+def test_captured_retrieval_scores_equal_the_models_eager_attention_weights():
+    from flexsparse.integrations.calibration import needle_inputs, retrieval_head_scores
+
+    loaded = real_model()
+    model = loaded.model
+    inputs = needle_inputs(real_corpus(), loaded.tokenizer, 256, 1)
+    scores = retrieval_head_scores(model, inputs)
+    assert model.config._attn_implementation == "sdpa"  # restored
+    model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            attentions = model(inputs.ids, output_attentions=True).attentions
+    finally:
+        model.set_attn_implementation("sdpa")
+    mask = inputs.needle_mask[0]
+    expected = torch.stack([a[0, :, -1, mask].sum(-1).view(KV_HEADS, -1).mean(-1) for a in attentions])
+    torch.testing.assert_close(scores, expected.float(), atol=1e-5, rtol=1e-4)
+
+
+@requires_model
+def test_gates_at_one_and_zero_give_the_full_and_the_converted_model():
+    from flexsparse.integrations import convert, revert
+    from flexsparse.integrations.calibration import gated
+    from flexsparse.masks import Causal
+
+    model = real_model().model
+    ids = real_corpus().windows(128, 1)
+    decoder = model.get_decoder()
+    hidden = lambda: decoder(input_ids=ids, use_cache=False).last_hidden_state
+    with torch.no_grad():
+        full = hidden()
+        gates = torch.full((LAYERS, KV_HEADS), -40.0)
+        gates[:, 0] = 40.0  # head 0 full, heads 1-2 sparse
+        with gated(model, gates, _window()):
+            mixed = hidden()
+        with gated(model, torch.full((LAYERS, KV_HEADS), 40.0), _window()):
+            all_full = hidden()
+        convert(model, {"full": Causal(), "sparse": _window()}, [["full", "sparse", "sparse"]] * LAYERS,
+                backend="dense")
+        try:
+            converted = hidden()
+        finally:
+            revert(model)
+    torch.testing.assert_close(all_full, full, atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(mixed, converted, atol=2e-4, rtol=1e-4)
+    assert (mixed - full).abs().max() > 0.1  # the sparse heads change the output
+    with pytest.raises(ValueError, match=r"logits must be a tensor \[L, H_kv\]"):
+        with gated(model, torch.zeros(LAYERS, 2), _window()):
+            pass
+
+
+@requires_model
+def test_gate_training_reaches_every_gate():
+    from flexsparse.integrations.calibration import GateOptions, calibration_scores, gated
+
+    loaded = real_model()
+    model, ids = loaded.model, real_corpus().windows(128, 1, split="calibration")
+    logits = torch.zeros(LAYERS, KV_HEADS, requires_grad=True)
+    decoder = model.get_decoder()
+    with torch.no_grad():
+        target = decoder(input_ids=ids, use_cache=False).last_hidden_state
+    with gated(model, logits, _window()):
+        loss = (decoder(input_ids=ids, use_cache=False).last_hidden_state - target).pow(2).mean()
+    loss.backward()
+    assert bool(torch.isfinite(logits.grad).all())
+    assert int((logits.grad < 0).sum()) >= LAYERS  # raising a gate towards full lowers the distillation loss
+    assert logits.grad.abs().min() > 0 and logits.grad.unique().numel() == LAYERS * KV_HEADS
+    scores = calibration_scores(model, loaded.tokenizer, "gates", sparse=_window(), corpus=real_corpus(),
+                                length=128, samples=2, gates=GateOptions(steps=1))
+    assert scores.shape == (LAYERS, KV_HEADS) and bool(((scores > 0) & (scores < torch.sigmoid(torch.tensor(2.0)))).all())
+
+
+@requires_model
+def test_hsa_and_entropy_scores_leave_the_model_unchanged():
+    from flexsparse.integrations.calibration import calibration_scores
+
+    loaded = real_model()
+    ids = real_corpus().windows(128, 1)
+    with torch.no_grad():
+        before = loaded.model(ids).logits
+    hsa = calibration_scores(loaded.model, loaded.tokenizer, "hsa", sparse=_window(), corpus=real_corpus(),
+                             length=128, samples=1)
+    entropy = calibration_scores(loaded.model, loaded.tokenizer, "entropy", corpus=real_corpus(), length=128,
+                                 samples=1)
+    assert hsa.shape == entropy.shape == (LAYERS, KV_HEADS)
+    assert bool((hsa > 0).all()) and bool(torch.isfinite(hsa).all())
+    assert bool((entropy[:, 0] > 0).all()) and bool((entropy == entropy[:, :1]).all())
+    with torch.no_grad():
+        assert torch.equal(loaded.model(ids).logits, before)
+    assert loaded.model.config._attn_implementation == "sdpa"
+
+
+@requires_model
+def test_calibrate_saves_a_config_that_loads_and_lowers_density(tmp_path, capsys):
+    import flexsparse
+    from flexsparse.cli import main
+    from flexsparse.integrations import layer_modes, load_config, revert
+
+    loaded = real_model()
+    result = flexsparse.calibrate(loaded.model, loaded.tokenizer, method="retrieval", sparse=_window(),
+                                  corpus=real_corpus(), length=256, samples=1)
+    assert result.full_fraction == pytest.approx(1 / 3)
+    assert all(modes.count("full") == 1 for modes in result.modes)
+    result.save(loaded.model, tmp_path / "api")
+    load_config(loaded.model, tmp_path / "api")
+    try:
+        assert layer_modes(loaded.model) == result.modes
+    finally:
+        revert(loaded.model)
+    saved = json.loads((tmp_path / "api" / "calibration.json").read_text())
+    assert saved["method"] == "retrieval" and len(saved["scores"]) == LAYERS
+
+    config = tmp_path / "cli"
+    assert main(["calibrate", "--method", "retrieval", "--global", "--length", "256", "--samples", "1",
+                 "--sink", "16", "--window", "64", "--out", str(config), "--quiet"]) == 0
+    assert "of the KV heads full (global budget)" in capsys.readouterr().out
+    assert main(["eval", "--config", str(config), "--methods", "--tasks", "perplexity", "--lengths", "512",
+                 "--trials", "1", "--out", str(tmp_path / "eval"), "--quiet", "--no-plot"]) == 0
+    (record,) = json.loads((tmp_path / "eval" / "results.json").read_text())
+    modes = json.loads((config / "flexsparse.json").read_text())["layers"]
+    full = sum(m == "full" for layer in modes for m in layer["modes"]) / (LAYERS * KV_HEADS)
+    assert full == pytest.approx(1 / 3)
+    sparse = brute_tile_density(16, 64, 512, 128)
+    assert record["method"] == "config:cli"
+    assert record["density"] == pytest.approx(full + (1 - full) * sparse, abs=1e-6)
+    assert record["density"] < 0.95
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--budget", "1.5"], "--budget must be a fraction"),
+    (["--method", "magic"], "invalid choice"),
+])
+def test_cli_calibrate_rejects_bad_input(argv, message, tmp_path, capsys):
+    from flexsparse.cli import main
+
+    try:
+        code = main(["calibrate", "--out", str(tmp_path), *argv])
+    except SystemExit as exit_:  # argparse's own usage errors
+        code = exit_.code
+    assert code == 2
+    assert message in capsys.readouterr().err
