@@ -84,8 +84,8 @@ def main() -> int:
     ratio = {r.method: r.value for r in with_ratios(records)
              if r.metric == "perplexity_ratio" and r.length == longest}
     best = min(("hsa", "retrieval"), key=lambda name: ratio[name])
-    print(f"best per-layer selector at {longest:,}: {best} ({ratio[best]:.3f} against {ratio}); its global budget "
-          "next", flush=True)
+    print(f"best per-layer selector at {longest:,}: {best} (perplexity ratios {ratio}); its global budget next",
+          flush=True)
     run([f"{best}:global=1"] + LAST)
 
     final = with_ratios(records)

@@ -52,6 +52,9 @@ def plot_quality(records: Sequence[Record], path: str | Path, title: str = "") -
         ax.grid(alpha=0.3)
         if metric == "perplexity_ratio":
             ax.axhline(1.0, color="gray", lw=0.8)
+        values = [r.value for r in records if (r.task, r.metric) == (task, metric)]
+        if metric.startswith("perplexity") and max(values) > 3 * min(values):  # ESA's x26 next to 1.0x
+            ax.set_yscale("log")
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     handles = [plt.Line2D([], [], color=colors(i % colors.N), marker="o", ls="", label=method)
