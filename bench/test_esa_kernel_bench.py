@@ -10,15 +10,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flexsparse.masks import ESA
-
 pytest.importorskip("triton")
 from flexsparse.kernels.esa import esa_attention  # noqa: E402
+from flexsparse.kernels.esa_index import EsaIndexRule  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
 HEADS, KV_HEADS, DIM = 32, 8, 128
-PATTERN = ESA(4, 8, 64, HEADS)
+RULE = EsaIndexRule(4, 8, 64, HEADS)
 SEQS = [8192, 32768, 131072]
 
 
@@ -28,7 +27,7 @@ def _inputs(seq, grad):
 
 
 def _esa(q, k, v):
-    return esa_attention(q, k, v, PATTERN)
+    return esa_attention(q, k, v, RULE)
 
 
 def _sdpa(q, k, v):

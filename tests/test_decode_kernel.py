@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from flexsparse.kernels import decode  # noqa: E402
+from flexsparse.kernels import decode, decode_kernels  # noqa: E402
 from flexsparse.kernels.decode import decode_step_attention, ranged_decode_attention  # noqa: E402
 from flexsparse.kernels.decode_reference import (  # noqa: E402
     DecodeGroup,
@@ -655,7 +655,7 @@ def test_gpu_prepared_step_launches_the_compiled_kernels_directly(monkeypatch):
     """After the first step, the split and combine kernels launch without Triton's per-call launch path (counted
     on the JIT functions); a misaligned q still gives the right result (through Triton's path)."""
     runs = []
-    for kernel in (decode._decode_split_kernel, decode._decode_combine_kernel):
+    for kernel in (decode_kernels.decode_split_kernel, decode_kernels.decode_combine_kernel):
         original = kernel.run
         monkeypatch.setattr(kernel, "run", lambda *a, _run=original, **k: runs.append(1) or _run(*a, **k))
     q, k_new, v_new, groups = _layer_step(1, seed=5)

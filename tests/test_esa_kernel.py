@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 pytest.importorskip("triton")
 
 from flexsparse.kernels.esa import esa_attention, esa_attention_reference, supports_head_dim  # noqa: E402
+from flexsparse.kernels.esa_index import EsaIndexRule  # noqa: E402
 from flexsparse.masks import ESA, Geometry  # noqa: E402
 from flexsparse.reference import attention as dense_reference  # noqa: E402
 
@@ -23,6 +24,11 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if CUDA else "cpu"
 kernel_test = pytest.mark.skipif(not (CUDA or INTERPRETED), reason="needs CUDA or TRITON_INTERPRET=1")
 FP32_OUT_ATOL, FP32_GRAD_ATOL = 2e-5, 5e-5  # fp32 kernel vs float64, inputs ~N(0, 1), d <= 32
+
+
+def rule(pattern: ESA) -> EsaIndexRule:
+    """The kernels' index parameters of an ESA pattern."""
+    return EsaIndexRule(pattern.layer_idx, pattern.num_layers, pattern.attn_length, pattern.num_heads)
 
 
 def qkv(batch, heads, kv_heads, q_len, kv_len, dim, dtype=torch.float32, seed=0):
@@ -68,6 +74,29 @@ def test_slot_keys_are_non_decreasing_and_step_by_one_when_heads_minus_one_is_od
     assert steps.max() <= (1 if heads == 1 or heads % 2 == 0 else 2)
 
 
+@settings(max_examples=60)
+@given(layers=st.integers(1, 12), data=st.data(), heads=st.integers(1, 12), w=st.integers(1, 80),
+       start=st.integers(0, 5000))
+def test_kernels_index_rule_is_the_patterns(layers, data, heads, w, start):
+    """The kernels' EsaIndexRule (kernels/ imports no masks/) gives the indices of masks.ESA, int64 and int32."""
+    layer = data.draw(st.integers(0, layers - 1))
+    positions = torch.arange(start, start + 200)
+    expected = ESA(layer, layers, w, heads).indices(positions)
+    assert torch.equal(EsaIndexRule(layer, layers, w, heads).indices(positions), expected)
+    assert torch.equal(EsaIndexRule(layer, layers, w, heads).indices(positions.int()), expected.int())
+
+
+@pytest.mark.parametrize("args,error,match", [
+    ((2, 2, 4, 4), ValueError, r"layer_idx must be in \[0, num_layers=2\)"),
+    ((0, 0, 4, 4), ValueError, "num_layers must be >= 1"),
+    ((0, 2, 4.0, 4), TypeError, "attn_length must be an int"),
+    ((0, 2, 4, 0), ValueError, "num_heads must be >= 1"),
+])
+def test_index_rule_bad_arguments(args, error, match):
+    with pytest.raises(error, match=match):
+        EsaIndexRule(*args)
+
+
 def test_even_heads_minus_one_can_step_by_two():
     """Why odd head counts take the general tile loop: head 1 of 3 mixes (base_j + base_{j+1} - 1) / 2, a tie
     at position 5 ((4 + 5) / 2 -> 4) and at 6 ((5 + 6) / 2 -> 6): slot 2 steps from key 4 to key 6."""
@@ -82,8 +111,8 @@ def test_gather_reference_matches_dense_reference(chunk):
     q = torch.randn(2, 4, 30, 16, generator=gen, dtype=torch.float64)
     k, v = (torch.randn(2, 2, 70, 16, generator=gen, dtype=torch.float64) for _ in range(2))
     expected = dense_reference(q, k, v, pattern.dense(Geometry(4, 30, 70)))
-    torch.testing.assert_close(esa_attention_reference(q, k, v, pattern, chunk=chunk), expected, atol=1e-12,
-                               rtol=0)
+    got = esa_attention_reference(q, k, v, rule(pattern), chunk=chunk)
+    torch.testing.assert_close(got, expected, atol=1e-12, rtol=0)
 
 
 @pytest.mark.parametrize(
@@ -97,11 +126,11 @@ def test_gather_reference_matches_dense_reference(chunk):
         (dict(k=torch.zeros(1, 2, 8, 16, dtype=torch.float16)), TypeError, "share a dtype"),
         (dict(q=torch.zeros(1, 4, 8, 24), k=torch.zeros(1, 2, 8, 24), v=torch.zeros(1, 2, 8, 24)), ValueError,
          "power of two"),
-        (dict(pattern=ESA(0, 2, 4, 2)), ValueError, r"head_offset \+ 4 <= 2"),
-        (dict(pattern=ESA(0, 2, 4, 8), head_offset=1), ValueError, "head_offset a multiple of 2"),
-        (dict(pattern=ESA(0, 2, 4, 8), head_offset=6), ValueError, r"head_offset \+ 4 <= 8"),
+        (dict(rule=EsaIndexRule(0, 2, 4, 2)), ValueError, r"head_offset \+ 4 <= 2"),
+        (dict(rule=EsaIndexRule(0, 2, 4, 8), head_offset=1), ValueError, "head_offset a multiple of 2"),
+        (dict(rule=EsaIndexRule(0, 2, 4, 8), head_offset=6), ValueError, r"head_offset \+ 4 <= 8"),
         (dict(head_offset=-2), ValueError, "head_offset must be >= 0"),
-        (dict(pattern="esa"), TypeError, "flexsparse.masks.ESA"),
+        (dict(rule="esa"), TypeError, "rule must be a flexsparse.kernels.esa_index.EsaIndexRule"),
         (dict(scale=-1.0), ValueError, "scale"),
         (dict(q_positions=torch.zeros(1, 8)), TypeError, "q_positions must be int32"),
         (dict(q_positions=torch.zeros(1, 7, dtype=torch.int32)), ValueError, r"q_positions must have shape"),
@@ -113,7 +142,7 @@ def test_gather_reference_matches_dense_reference(chunk):
 )
 def test_bad_arguments(change, error, match):
     args = dict(q=torch.zeros(1, 4, 8, 16), k=torch.zeros(1, 2, 8, 16), v=torch.zeros(1, 2, 8, 16),
-                pattern=ESA(0, 2, 4, 4))
+                rule=EsaIndexRule(0, 2, 4, 4))
     args.update(change)
     with pytest.raises(error, match=match):
         esa_attention(**args)
@@ -127,7 +156,7 @@ def test_supported_head_dims():
 def test_cpu_tensors_need_the_interpreter():
     with pytest.raises(ValueError, match="needs CUDA tensors"):
         esa_attention(torch.zeros(1, 2, 8, 16), torch.zeros(1, 2, 8, 16), torch.zeros(1, 2, 8, 16),
-                      ESA(0, 2, 4, 2))
+                      EsaIndexRule(0, 2, 4, 2))
 
 
 
@@ -165,9 +194,10 @@ def test_kernel_on_a_subset_of_the_patterns_heads(case):
     grad_out = torch.randn_like(q)
     mask = pattern.dense(Geometry(pattern_heads, q_len, kv_len, device=DEVICE))[:, offset:offset + heads]
     expected = float64(lambda a, b, c: dense_reference(a, b, c, mask), q, k, v, grad_out)
-    got = with_grads(lambda a, b, c: esa_attention(a, b, c, pattern, head_offset=offset), q, k, v, grad_out)
+    got = with_grads(lambda a, b, c: esa_attention(a, b, c, rule(pattern), head_offset=offset), q, k, v,
+                     grad_out)
     assert_close_all(got, expected, FP32_OUT_ATOL, FP32_GRAD_ATOL)
-    reference = esa_attention_reference(q.double(), k.double(), v.double(), pattern, head_offset=offset)
+    reference = esa_attention_reference(q.double(), k.double(), v.double(), rule(pattern), head_offset=offset)
     torch.testing.assert_close(reference, expected[0], atol=1e-12, rtol=0)
 
 
@@ -223,7 +253,7 @@ def test_kernel_forward_and_backward_match_dense_reference(case):
     grad_out = torch.randn_like(q)
     mask = pattern.dense(Geometry(heads, q_len, kv_len, device=DEVICE))
     expected = float64(lambda a, b, c: dense_reference(a, b, c, mask), q, k, v, grad_out)
-    got = with_grads(lambda a, b, c: esa_attention(a, b, c, pattern), q, k, v, grad_out)
+    got = with_grads(lambda a, b, c: esa_attention(a, b, c, rule(pattern)), q, k, v, grad_out)
     assert_close_all(got, expected, FP32_OUT_ATOL, FP32_GRAD_ATOL)
 
 
@@ -240,8 +270,9 @@ def test_kernel_padding_rows_in_any_order_give_zero_rows_and_no_gradient():
     positions = positions.to(DEVICE)
     padding = (positions < 0) | (positions >= 32)
     call = dict(q_positions=positions)
-    expected = float64(lambda a, b, c: esa_attention_reference(a, b, c, pattern, **call), q, k, v, grad_out)
-    got = with_grads(lambda a, b, c: esa_attention(a, b, c, pattern, **call), q, k, v, grad_out)
+    expected = float64(lambda a, b, c: esa_attention_reference(a, b, c, rule(pattern), **call), q, k, v,
+                       grad_out)
+    got = with_grads(lambda a, b, c: esa_attention(a, b, c, rule(pattern), **call), q, k, v, grad_out)
     assert_close_all(got, expected, FP32_OUT_ATOL, FP32_GRAD_ATOL)
     out, dq = got[0].permute(0, 2, 1, 3), got[1].permute(0, 2, 1, 3)  # [B, S_q, H, d]
     assert (out[padding] == 0).all() and (dq[padding] == 0).all()
@@ -266,9 +297,9 @@ def test_kernel_left_padded_batch_matches_each_sequence_alone():
         positions[b, span - n:] = torch.arange(n, dtype=torch.int32)
         slots[b, :n] = torch.arange(span - n, span, dtype=torch.int32)
     call = dict(q_positions=positions.to(DEVICE), key_slots=slots.to(DEVICE))
-    batched = with_grads(lambda a, b, c: esa_attention(a, b, c, pattern, **call), q, k, v, grad_out)
+    batched = with_grads(lambda a, b, c: esa_attention(a, b, c, rule(pattern), **call), q, k, v, grad_out)
     for b, n in enumerate(lengths):
-        alone = with_grads(lambda a, b_, c: esa_attention(a, b_, c, pattern),
+        alone = with_grads(lambda a, b_, c: esa_attention(a, b_, c, rule(pattern)),
                            *(t[b:b + 1, :, span - n:] for t in (q, k, v)), grad_out[b:b + 1, :, span - n:])
         for got, expected in zip(batched, alone):
             torch.testing.assert_close(got[b:b + 1, :, span - n:], expected, atol=1e-5, rtol=0)
@@ -285,8 +316,9 @@ def test_kernel_forward_matches_reference_on_random_geometries(heads_per_group, 
     kv_len = data.draw(st.integers(1, 48))
     q_len = data.draw(st.integers(1, kv_len))
     q, k, v = qkv(1, heads, kv_heads, q_len, kv_len, 16, seed=kv_len)
-    expected = esa_attention_reference(q.double(), k.double(), v.double(), pattern)
-    torch.testing.assert_close(esa_attention(q, k, v, pattern).double(), expected, atol=FP32_OUT_ATOL, rtol=0)
+    expected = esa_attention_reference(q.double(), k.double(), v.double(), rule(pattern))
+    torch.testing.assert_close(esa_attention(q, k, v, rule(pattern)).double(), expected, atol=FP32_OUT_ATOL,
+                               rtol=0)
 
 
 @kernel_test
@@ -298,9 +330,9 @@ def test_kernel_forward_matches_reference_on_random_geometries(heads_per_group, 
 def test_kernel_half_precision_forward(dtype, atol):
     pattern = ESA(1, 4, 8, 4)
     q, k, v = qkv(1, 4, 2, 40, 40, 32, dtype=dtype, seed=11)
-    out = esa_attention(q, k, v, pattern)
+    out = esa_attention(q, k, v, rule(pattern))
     assert out.dtype == dtype
-    expected = esa_attention_reference(q.double(), k.double(), v.double(), pattern)
+    expected = esa_attention_reference(q.double(), k.double(), v.double(), rule(pattern))
     torch.testing.assert_close(out.double(), expected, atol=atol, rtol=0)
 
 
@@ -323,7 +355,7 @@ def test_gpu_forward_and_backward_against_float64(seq, dtype, tol):
     grad_out = torch.randn_like(q)
     mask = GPU_PATTERN.dense(Geometry(8, seq, device="cuda"))
     expected = float64(lambda a, b, c: dense_reference(a, b, c, mask), q, k, v, grad_out)
-    got = with_grads(lambda a, b, c: esa_attention(a, b, c, GPU_PATTERN), q, k, v, grad_out)
+    got = with_grads(lambda a, b, c: esa_attention(a, b, c, rule(GPU_PATTERN)), q, k, v, grad_out)
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, expected):
         assert torch.isfinite(a).all(), name
         assert _rel(a, b) < tol, (name, _rel(a, b))
@@ -341,7 +373,7 @@ def test_gpu_bf16_gradients_within_twice_the_dense_bf16_error():
     sdpa = lambda a, b, c: torch.nn.functional.scaled_dot_product_attention(a, b, c, attn_mask=mask[0],
                                                                              enable_gqa=True)
     dense = with_grads(sdpa, q, k, v, grad_out)
-    ours = with_grads(lambda a, b, c: esa_attention(a, b, c, pattern), q, k, v, grad_out)
+    ours = with_grads(lambda a, b, c: esa_attention(a, b, c, rule(pattern)), q, k, v, grad_out)
     for name, a, d, e in zip(("out", "dq", "dk", "dv"), ours, dense, expected):
         ours_err, dense_err = (a.double() - e).abs().max().item(), (d.double() - e).abs().max().item()
         assert ours_err <= 2 * dense_err, (name, ours_err, dense_err)
@@ -352,7 +384,7 @@ def test_gpu_deterministic_backward_is_bitwise_reproducible():
     pattern = ESA(4, 8, 64, 32)
     q, k, v = qkv(1, 32, 8, 8192, 8192, 128, dtype=torch.bfloat16, seed=4)
     grad_out = torch.randn_like(q)
-    run = lambda: with_grads(lambda a, b, c: esa_attention(a, b, c, pattern, deterministic=True), q, k, v,
+    run = lambda: with_grads(lambda a, b, c: esa_attention(a, b, c, rule(pattern), deterministic=True), q, k, v,
                              grad_out)
     for a, b in zip(run(), run()):
         assert torch.equal(a, b)
@@ -364,8 +396,8 @@ def test_gpu_decode_and_chunks_against_float64(q_len):
     pattern = ESA(4, 8, 64, 32)
     q, k, v = qkv(2, 32, 8, q_len, 8192, 128, dtype=torch.bfloat16, seed=q_len)
     grad_out = torch.randn_like(q)
-    expected = float64(lambda a, b, c: esa_attention_reference(a, b, c, pattern), q, k, v, grad_out)
-    got = with_grads(lambda a, b, c: esa_attention(a, b, c, pattern), q, k, v, grad_out)
+    expected = float64(lambda a, b, c: esa_attention_reference(a, b, c, rule(pattern)), q, k, v, grad_out)
+    got = with_grads(lambda a, b, c: esa_attention(a, b, c, rule(pattern)), q, k, v, grad_out)
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, expected):
         assert _rel(a, b) < 1e-2, (name, _rel(a, b))
 

@@ -80,6 +80,7 @@ from flexsparse.integrations.forward_mask import ForwardMask
 from flexsparse.integrations.layer import CacheGroup, SparseAttentionLayer, sparse_layers
 from flexsparse.kernels.availability import kernels_run_on
 from flexsparse.kernels.decode_reference import MAX_HEAD_DIM, DecodeGroup, ranged_decode_reference
+from flexsparse.kernels.esa_index import EsaIndexRule
 from flexsparse.kernels.esa_reference import esa_attention_reference, supports_head_dim
 from flexsparse.masks import ESA, Positions, SinkWindow
 from flexsparse.runtime.buckets import kv_bucket
@@ -347,6 +348,8 @@ class _EsaKeys(_EveryKey):
     def __init__(self, group: CacheGroup, group_size: int, counts: _Counts, max_length: int | None) -> None:
         super().__init__(group, group_size, counts, max_length)
         self.pattern: ESA = group.pattern
+        self.rule = EsaIndexRule(self.pattern.layer_idx, self.pattern.num_layers, self.pattern.attn_length,
+                                 self.pattern.num_heads)
         self.group_size = group_size
         runs: list[list[int]] = []  # [first index in the group, count, the layer's first KV head]
         for index, head in enumerate(group.kv_heads):
@@ -376,7 +379,7 @@ class _EsaKeys(_EveryKey):
         q_group, keys, values = self.pick_q(q), self.keys[:, :, :tokens], self.values[:, :, :tokens]
         group = self.group_size
         outputs = [attend(q_group[:, first * group:(first + count) * group], keys[:, first:first + count],
-                          values[:, first:first + count], self.pattern, scale, q_positions=q_positions,
+                          values[:, first:first + count], self.rule, scale, q_positions=q_positions,
                           key_slots=key_slots, head_offset=head * group)
                    for first, count, head in self.runs]
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, 1)

@@ -1,13 +1,14 @@
 """ESA attention in plain PyTorch (:func:`esa_attention_reference`, a chunked gather) and the argument checks it
 shares with the Triton kernels of :mod:`flexsparse.kernels.esa`. Imports no triton: the reference runs on any
-device, also where triton is not installed."""
+device, also where triton is not installed. Its indices come from :meth:`EsaIndexRule.indices
+<flexsparse.kernels.esa_index.EsaIndexRule.indices>`."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from flexsparse.masks.esa import ESA
+from flexsparse.kernels.esa_index import EsaIndexRule
 from flexsparse.validation import as_float, as_int
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -30,8 +31,8 @@ def check_position_tensor(name: str, t: Tensor | None, batch: int, length: int |
         raise ValueError(f"{name} is on {t.device}, q is on {device}")
 
 
-def check_esa_inputs(q: Tensor, k: Tensor, v: Tensor, pattern: ESA, head_offset: object,
-                  dtypes: tuple = SUPPORTED_DTYPES) -> int:
+def check_esa_inputs(q: Tensor, k: Tensor, v: Tensor, rule: EsaIndexRule, head_offset: object,
+                     dtypes: tuple = SUPPORTED_DTYPES) -> int:
     """Raises on bad inputs; returns head_offset checked."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
@@ -42,8 +43,8 @@ def check_esa_inputs(q: Tensor, k: Tensor, v: Tensor, pattern: ESA, head_offset:
             raise TypeError(f"{name} must be one of {', '.join(str(d)[6:] for d in dtypes)}, got {t.dtype}")
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have a contiguous last dimension (stride(-1) == 1)")
-    if not isinstance(pattern, ESA):
-        raise TypeError(f"pattern must be a flexsparse.masks.ESA, got {type(pattern).__name__}")
+    if not isinstance(rule, EsaIndexRule):
+        raise TypeError(f"rule must be a flexsparse.kernels.esa_index.EsaIndexRule, got {type(rule).__name__}")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if k.device != q.device or v.device != q.device:
@@ -61,10 +62,10 @@ def check_esa_inputs(q: Tensor, k: Tensor, v: Tensor, pattern: ESA, head_offset:
     if k.shape[2] == 0:
         raise ValueError("k and v must hold at least one key (S_kv >= 1)")
     head_offset = as_int("head_offset", head_offset, minimum=0)
-    if head_offset % (heads // k.shape[1]) or head_offset + heads > pattern.num_heads:
+    if head_offset % (heads // k.shape[1]) or head_offset + heads > rule.num_heads:
         raise ValueError(f"q's {heads} heads from head_offset={head_offset} must be whole KV groups of the "
-                         f"pattern's num_heads={pattern.num_heads} heads (head_offset a multiple of "
-                         f"{heads // k.shape[1]}, head_offset + {heads} <= {pattern.num_heads})")
+                         f"rule's num_heads={rule.num_heads} heads (head_offset a multiple of "
+                         f"{heads // k.shape[1]}, head_offset + {heads} <= {rule.num_heads})")
     return head_offset
 
 
@@ -74,7 +75,7 @@ def supports_head_dim(dim: int) -> bool:
 
 
 
-def esa_attention_reference(q: Tensor, k: Tensor, v: Tensor, pattern: ESA, scale: float | None = None, *,
+def esa_attention_reference(q: Tensor, k: Tensor, v: Tensor, rule: EsaIndexRule, scale: float | None = None, *,
                             q_positions: Tensor | None = None, key_slots: Tensor | None = None,
                             chunk: int = 1024, head_offset: int = 0) -> Tensor:
     """The same function as :func:`esa_attention` in plain PyTorch (any device, differentiable).
@@ -82,7 +83,7 @@ def esa_attention_reference(q: Tensor, k: Tensor, v: Tensor, pattern: ESA, scale
     Gathers each query's w keys, ``chunk`` queries at a time: O(B H S_q w d) time, O(H chunk w d) memory. Computes
     in q's dtype (float64 accepted here: pass float64 inputs for a high-precision reference).
     """
-    head_offset = check_esa_inputs(q, k, v, pattern, head_offset, dtypes=SUPPORTED_DTYPES + (torch.float64,))
+    head_offset = check_esa_inputs(q, k, v, rule, head_offset, dtypes=SUPPORTED_DTYPES + (torch.float64,))
     batch, heads, q_len, dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     scale = dim**-0.5 if scale is None else as_float("scale", scale, positive=True)
@@ -100,7 +101,7 @@ def esa_attention_reference(q: Tensor, k: Tensor, v: Tensor, pattern: ESA, scale
         for first in range(0, q_len, chunk):
             pos = positions[b, first:first + chunk]
             real = (pos >= 0) & (pos < span)
-            index = pattern.indices(torch.where(real, pos, 0))[head_offset:head_offset + heads]  # [H, n, w]
+            index = rule.indices(torch.where(real, pos, 0))[head_offset:head_offset + heads]  # [H, n, w]
             ok = real[None, :, None] & (index <= pos[None, :, None])
             if key_slots is None:
                 slot = index

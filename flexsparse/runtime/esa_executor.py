@@ -53,6 +53,7 @@ class EsaExecutor(Executor):
     def run(self, call: AttentionCall, patterns: Sequence[Pattern | None], modes: GroupModes,
             heads: HeadSelection) -> Tensor:
         from flexsparse.kernels.esa import esa_attention
+        from flexsparse.kernels.esa_index import EsaIndexRule
 
         geo, group = call.geometry, call.group_size
         q_positions = key_slots = None
@@ -63,7 +64,9 @@ class EsaExecutor(Executor):
         for first, count, mode in _runs(call, heads, modes.host):
             local, layer = heads.kv_heads[first], call.kv_heads[heads.kv_heads[first]]
             kv = slice(local, local + count)
+            pattern = patterns[mode]
+            rule = EsaIndexRule(pattern.layer_idx, pattern.num_layers, pattern.attn_length, pattern.num_heads)
             outputs.append(esa_attention(
-                call.q[:, local * group:(local + count) * group], call.k[:, kv], call.v[:, kv], patterns[mode],
+                call.q[:, local * group:(local + count) * group], call.k[:, kv], call.v[:, kv], rule,
                 call.scale, q_positions=q_positions, key_slots=key_slots, head_offset=layer * group))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)

@@ -1,0 +1,148 @@
+"""Launching the ESA Triton kernels: block sizes and tuned settings, what a call fixes besides q, k, v
+(:class:`EsaLaunch`), and the forward (tile or decode kernel) and backward (dQ, then dK/dV) launchers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+from torch import Tensor
+
+from flexsparse.kernels.esa_backward import esa_backward_dkdv_kernel, esa_backward_dq_kernel
+from flexsparse.kernels.esa_decode import esa_decode_kernel
+from flexsparse.kernels.esa_forward import esa_forward_kernel
+
+BLOCK_QUERIES = 16
+"""Queries per forward/dQ program (the tensor-core minimum); also the key tile, so one tile holds a range."""
+BLOCK_KEYS = 16
+"""Key positions per dK/dV program."""
+DECODE_MAX_QUERIES = BLOCK_QUERIES - 1
+"""Up to this many queries per sequence, the per-row gather kernel runs instead of the tile kernel."""
+KERNEL_CONFIG = {
+    "forward_stages": 2,  # cp.async stages of the forward's key tiles (one warp per program)
+    "forward_split": False,  # P enters P @ V as two 16-bit parts (False: rounded once, as dense bf16 attention)
+    "dkdv_warps": 2,  # 2: no spills in the loop, fewest instructions per query block (SASS)
+    "dkdv_queries": 16,
+    "decode_warps": 4,
+}
+"""Launch settings, chosen by H100 measurements and the compiler's SASS: docs/notes/esa-kernel.md."""
+
+_LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class EsaLaunch:
+    """Everything the kernels need besides q, k, v: sizes, the index rule's constants and position tensors."""
+
+    num_heads: int  # the pattern's heads (the index rule's H)
+    head_offset: int  # the pattern's head of q's head 0
+    group: int
+    attn_length: int
+    layer_den: int
+    layer_weight: int
+    scale: float
+    q_len: int
+    kv_len: int
+    span: int
+    first_pos: int
+    sorted_pos: Tensor | None  # int32 [B or 1, S_q], stable sort of q_positions
+    order: Tensor | None  # int32 [B or 1, S_q], the rows in that order
+    key_slots: Tensor | None  # int32 [B or 1, span]
+    step_one: bool  # keys step by <= 1 per position (H even or 1): one tile per slot for consecutive rows
+    precision: str  # tl.dot input precision: "ieee" for fp32 inputs
+    split: bool  # 16-bit inputs: fp32 left operands of dots enter as two 16-bit parts
+
+    def position_args(self, device: torch.device) -> tuple:
+        """(SORTED_POS, ORDER, KEY_SLOTS, stride_pos_b, stride_slots_b); dummies where absent."""
+        dummy = torch.empty(1, dtype=torch.int32, device=device)
+        sorted_pos = dummy if self.sorted_pos is None else self.sorted_pos
+        order = dummy if self.order is None else self.order
+        slots = dummy if self.key_slots is None else self.key_slots
+        stride_pos = 0 if self.sorted_pos is None or self.sorted_pos.shape[0] == 1 else self.sorted_pos.stride(0)
+        stride_slots = 0 if self.key_slots is None or self.key_slots.shape[0] == 1 else self.key_slots.stride(0)
+        return sorted_pos, order, slots, stride_pos, stride_slots
+
+    def rule_args(self) -> tuple:
+        return (self.q_len, self.kv_len, self.span, self.first_pos, self.layer_weight, self.scale * _LOG2E,
+                self.head_offset)
+
+    def heads_per_program(self) -> int:
+        """Query heads per dQ or decode program: the whole KV group, at most 8 (one warp per head)."""
+        return triton.next_power_of_2(min(self.group, 8))
+
+
+def _strides(t: Tensor) -> tuple[int, int, int]:
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _wide_rows(*tensors: Tensor) -> bool:
+    """Whether a row's element offset inside one (batch, head) of these [B, H, S, d] tensors may overflow int32."""
+    return any((t.shape[2] - 1) * t.stride(2) + t.shape[3] >= 2**31 for t in tensors)
+
+
+def _row_offset_kinds(k: Tensor, v: Tensor) -> dict:
+    """WIDE: a key row's element offset inside one (batch, KV head) may not fit int32; SAME_KV_STRIDE: K and V rows
+    share offsets."""
+    return dict(WIDE=_wide_rows(k, v), SAME_KV_STRIDE=k.stride(2) == v.stride(2))
+
+
+def launch_forward(q: Tensor, k: Tensor, v: Tensor, launch: EsaLaunch) -> tuple[Tensor, Tensor]:
+    """O ``[B, H, S_q, d]`` and LSE ``[B, H, S_q]`` (log2 units): the decode kernel for up to
+    ``DECODE_MAX_QUERIES`` queries, else the tile kernel."""
+    batch, heads, q_len, dim = q.shape
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(batch, heads, q_len, dtype=torch.float32, device=q.device)
+    sorted_pos, order, slots, stride_pos, stride_slots = launch.position_args(q.device)
+    args = (q, k, v, out, lse, sorted_pos, order, slots, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
+            stride_pos, stride_slots, *launch.rule_args())
+    common = dict(NUM_HEADS=heads, PATTERN_HEADS=launch.num_heads, GROUP=launch.group, W=launch.attn_length,
+                  LAYER_DEN=launch.layer_den, D=dim, HAS_POSITIONS=launch.sorted_pos is not None,
+                  HAS_SLOTS=launch.key_slots is not None, **_row_offset_kinds(k, v))
+    kv_heads = heads // launch.group
+    if q_len <= DECODE_MAX_QUERIES:
+        per_program = launch.heads_per_program()
+        slots = min(triton.next_power_of_2(launch.attn_length), 64 // per_program)  # [heads, slots, d] tiles
+        esa_decode_kernel[(q_len, batch * kv_heads * triton.cdiv(launch.group, per_program))](
+            *args, HEADS=per_program, SLOTS=slots, num_warps=KERNEL_CONFIG["decode_warps"], **common)
+    else:
+        esa_forward_kernel[(triton.cdiv(q_len, BLOCK_QUERIES) * launch.group, batch * kv_heads)](
+            *args, BM=BLOCK_QUERIES, STEP_ONE=launch.step_one, PRECISION=launch.precision,
+            SPLIT=launch.split and KERNEL_CONFIG["forward_split"], num_warps=1,
+            num_stages=KERNEL_CONFIG["forward_stages"], **common)
+    return out, lse
+
+
+def launch_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, launch: EsaLaunch,
+              need_dkdv: bool) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """(dQ, dK, dV) from the forward's O and LSE; dK and dV are None unless ``need_dkdv``."""
+    batch, heads, q_len, dim = q.shape
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    delta = torch.empty_like(lse)
+    sorted_pos, order, slots, stride_pos, stride_slots = launch.position_args(q.device)
+    per_program = launch.heads_per_program()
+    kv_heads = heads // launch.group
+    programs = batch * kv_heads * triton.cdiv(launch.group, per_program)
+    common = dict(NUM_HEADS=heads, PATTERN_HEADS=launch.num_heads, GROUP=launch.group, W=launch.attn_length,
+                  LAYER_DEN=launch.layer_den, D=dim,
+                  HAS_POSITIONS=launch.sorted_pos is not None, HAS_SLOTS=launch.key_slots is not None,
+                  PRECISION=launch.precision, SPLIT=launch.split)
+    offsets = _row_offset_kinds(k, v)
+    esa_backward_dq_kernel[(triton.cdiv(q_len, BLOCK_QUERIES), programs)](
+        q, k, v, out, do, dq, lse, delta, sorted_pos, order, slots, *_strides(q), *_strides(k), *_strides(v),
+        *_strides(out), *_strides(do), *_strides(dq), stride_pos, stride_slots, *launch.rule_args(), launch.scale,
+        HEADS=per_program, BM=BLOCK_QUERIES, STEP_ONE=launch.step_one,
+        num_warps=per_program, **offsets, **common)
+    if not need_dkdv:
+        return dq, None, None
+    # without key_slots every slot is some key position's and gets written; with them, unused slots stay 0
+    make = torch.empty if launch.key_slots is None else torch.zeros
+    dk = make(k.shape, dtype=k.dtype, device=k.device)
+    dv = make(v.shape, dtype=v.dtype, device=v.device)
+    esa_backward_dkdv_kernel[(triton.cdiv(launch.span, BLOCK_KEYS), batch * kv_heads)](
+        q, k, v, do, dk, dv, lse, delta, sorted_pos, order, slots, *_strides(q), *_strides(k), *_strides(v),
+        *_strides(do), *_strides(dk), *_strides(dv), stride_pos, stride_slots, *launch.rule_args(), launch.scale,
+        max(q_len, 1).bit_length(), WIDE=_wide_rows(q, do), W_POW2=triton.next_power_of_2(launch.attn_length),
+        GROUP_POW2=triton.next_power_of_2(launch.group), BN=BLOCK_KEYS, BQ=KERNEL_CONFIG["dkdv_queries"],
+        num_warps=KERNEL_CONFIG["dkdv_warps"], **common)
+    return dq, dk, dv
