@@ -17,17 +17,16 @@ import torch.multiprocessing as mp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-pytest.importorskip("transformers")
 pytest.importorskip("accelerate")  # transformers' tp_plan needs it (the eval extra)
 
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config  # noqa: E402
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
-import flexsparse  # noqa: E402
-from flexsparse import ESA, Causal, SinkWindow, TriangleMix  # noqa: E402
-from flexsparse.distributed import rank_kv_heads, rank_tiles, tensor_parallel_rank  # noqa: E402
-from flexsparse.integrations import SparseKVCache, cache_argument, kv_memory_formula  # noqa: E402
-from flexsparse.masks.geometry import Geometry  # noqa: E402
-from flexsparse.routers.selection import select_modes  # noqa: E402
+import flexsparse
+from flexsparse import ESA, Causal, SinkWindow, TriangleMix
+from flexsparse.distributed import rank_kv_heads, rank_tiles, tensor_parallel_rank
+from flexsparse.integrations import SparseKVCache, cache_argument, kv_memory_formula
+from flexsparse.masks.geometry import Geometry
+from flexsparse.routers.selection import select_modes
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
@@ -39,9 +38,9 @@ NEW_TOKENS = 6
 
 
 def tiny_config(kind: str):
-    shared = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
-                  num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
-                  max_position_embeddings=256, tie_word_embeddings=False)
+    shared = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": LAYERS,
+              "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM,
+              "max_position_embeddings": 256, "tie_word_embeddings": False}
     return LlamaConfig(**shared) if kind == "llama" else Qwen3Config(**shared)
 
 
@@ -179,7 +178,7 @@ class FakeMesh:
 
 
 def test_rank_kv_heads():
-    assert [rank_kv_heads(8, 4, r) for r in range(4)] == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+    assert [rank_kv_heads(8, 4, r) for r in range(4)] == [range(2), range(2, 4), range(4, 6), range(6, 8)]
     assert rank_kv_heads(3, 1, 0) == range(3)
     with pytest.raises(ValueError, match="layer 2 has 6 KV heads, not divisible by the tensor-parallel size 4"):
         rank_kv_heads(6, 4, 1, "layer 2")
@@ -214,7 +213,7 @@ def test_balanced_selection(layers, share, tp_size, rho, per_layer, min_full, fi
     heads = share * tp_size
     min_full = min(min_full, heads)
     scores = torch.rand(layers, heads, generator=torch.Generator().manual_seed(seed))
-    options = dict(per_layer=per_layer, min_full_per_layer=min_full, keep_first_last_full=first_last)
+    options = {"per_layer": per_layer, "min_full_per_layer": min_full, "keep_first_last_full": first_last}
     plain = select_modes(scores, rho, **options)
     balanced = select_modes(scores, rho, tp_size=tp_size, **options)
     if tp_size == 1:
@@ -283,3 +282,19 @@ def test_rank_tiles():
         rank_tiles(patterns, MODES, heads, length, 3)
     with pytest.raises(ValueError, match="names unknown pattern 'nope'"):
         rank_tiles(patterns, [["nope"] * 4] * 2, heads, length, 2)
+
+
+def test_calibration_selects_for_tp_size():
+    from flexsparse.integrations.calibration import Calibration, select
+
+    scores = torch.tensor([[9.0, 8.0, 1.0, 0.0], [0.0, 1.0, 2.0, 3.0]])
+    balanced = [["full", "sparse", "full", "sparse"], ["sparse", "full", "sparse", "full"]]
+    assert select(scores, 0.5, tp_size=2) == balanced
+    calibration = Calibration("retrieval", scores, select(scores, 0.5), {"full": Causal(), "sparse": SinkWindow(2, 4)},
+                              0.5, True)
+    assert calibration.reselect(0.5, tp_size=2).modes == balanced
+    assert calibration.reselect(0.5).modes == calibration.modes
+    entropy = torch.tensor([[1.0] * 4, [2.0] * 4])
+    assert select(entropy, 0.5, layer_scores=True, tp_size=4) == [["sparse"] * 4, ["full"] * 4]
+    with pytest.raises(ValueError, match="not divisible by tp_size=3"):
+        select(entropy, 0.5, layer_scores=True, tp_size=3)

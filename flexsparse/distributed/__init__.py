@@ -15,4 +15,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'flexsparse.distributed' has no attribute {name!r}")
 
 
-__all__ = ["ExchangeBytes", "UlyssesAttention", "shard_sequence", *_TENSOR_PARALLEL]
+__all__ = ["ExchangeBytes", "RankAttention", "TensorParallelLayer", "UlyssesAttention", "rank_kv_heads", "rank_tiles",
+           "shard_sequence", "tensor_parallel_rank"]

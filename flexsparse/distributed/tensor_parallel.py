@@ -100,8 +100,9 @@ class RankAttention(nn.Module):
         super().__init__()
         if not isinstance(layer, HybridAttention):
             raise TypeError(f"layer must be a flexsparse.HybridAttention, got {type(layer).__name__}")
-        if not isinstance(kv_heads, range) or not len(kv_heads) or kv_heads.step != 1 or kv_heads.start < 0 \
-                or kv_heads.stop > layer.num_kv_heads:
+        if not isinstance(kv_heads, range):
+            raise TypeError(f"kv_heads must be a range of KV heads, got {type(kv_heads).__name__}")
+        if not len(kv_heads) or kv_heads.step != 1 or kv_heads.start < 0 or kv_heads.stop > layer.num_kv_heads:
             raise ValueError(f"kv_heads must be a non-empty range of the layer's {layer.num_kv_heads} KV heads, "
                              f"got {kv_heads!r}")
         self.layer = layer

@@ -263,30 +263,33 @@ def select_modes(scores: Tensor | Sequence, rho: float, *, per_layer: bool, min_
 
 
 def hsa_selection(discrepancy: Tensor | Sequence, rho: float, *, keep_first_last_full: bool = False,
-                  full: Mode = "full", sparse: Mode = "sparse") -> list[list[Mode]]:
+                  full: Mode = "full", sparse: Mode = "sparse", tp_size: int = 1) -> list[list[Mode]]:
     """HSA's Algorithm 1 per layer: the ``floor((1 - rho) * H_kv)`` KV heads with the largest discrepancy stay
-    full, at least one per layer. ``discrepancy`` ``[L, H_kv]`` (rows of :func:`hsa_discrepancy`)."""
+    full, at least one per layer. ``discrepancy`` ``[L, H_kv]`` (rows of :func:`hsa_discrepancy`); ``tp_size``:
+    as in :func:`select_modes`."""
     return select_modes(discrepancy, rho, per_layer=True, min_full_per_layer=1,
-                        keep_first_last_full=keep_first_last_full, full=full, sparse=sparse)
+                        keep_first_last_full=keep_first_last_full, full=full, sparse=sparse, tp_size=tp_size)
 
 
 def retrieval_selection(scores: Tensor | Sequence, rho: float, *, min_full_per_layer: int = 0,
                         keep_first_last_full: bool = False, full: Mode = "full",
-                        sparse: Mode = "sparse") -> list[list[Mode]]:
+                        sparse: Mode = "sparse", tp_size: int = 1) -> list[list[Mode]]:
     """Elastic's Appendix B.2: the ``floor((1 - rho) * L * H_kv)`` heads with the highest retrieval scores over
-    the whole model stay full. ``scores`` ``[L, H_kv]`` (rows of :func:`retrieval_scores`)."""
+    the whole model stay full. ``scores`` ``[L, H_kv]`` (rows of :func:`retrieval_scores`); ``tp_size``: as in
+    :func:`select_modes`."""
     return select_modes(scores, rho, per_layer=False, min_full_per_layer=min_full_per_layer,
-                        keep_first_last_full=keep_first_last_full, full=full, sparse=sparse)
+                        keep_first_last_full=keep_first_last_full, full=full, sparse=sparse, tp_size=tp_size)
 
 
 def entropy_selection(entropies: Tensor | Sequence, rho: float, num_kv_heads: int, *,
                       keep_first_last_full: bool = False, full: Mode = "full",
-                      sparse: Mode = "sparse") -> list[list[Mode]]:
+                      sparse: Mode = "sparse", tp_size: int = 1) -> list[list[Mode]]:
     """Flux's Appendix C.2: the ``floor((1 - rho) * L)`` layers with the highest entropy stay full, every KV head
-    of a layer in its layer's mode. ``entropies`` ``[L]`` (values of :func:`layer_entropy`)."""
+    of a layer in its layer's mode (balanced across tensor-parallel ranks as it is; ``tp_size`` checks that
+    ``num_kv_heads`` divides among them). ``entropies`` ``[L]`` (values of :func:`layer_entropy`)."""
     if isinstance(entropies, Sequence) and not isinstance(entropies, Tensor):
         entropies = torch.as_tensor([float(e) for e in entropies])
     if not isinstance(entropies, Tensor) or entropies.dim() != 1:
         raise ValueError("entropies must be one value per layer, [L]")
     return select_modes(entropies, rho, per_layer=False, keep_first_last_full=keep_first_last_full,
-                        num_kv_heads=num_kv_heads, full=full, sparse=sparse)
+                        num_kv_heads=num_kv_heads, full=full, sparse=sparse, tp_size=tp_size)
