@@ -382,19 +382,21 @@ def greedy_scores(model: nn.Module, texts: CalibrationInputs, prompts: list[Prom
 # ----- selection and the result -----------------------------------------------------------------------------
 
 def select(scores: Tensor, budget: float, *, per_layer: bool = True, layer_scores: bool = False,
-           min_full_per_layer: int | None = None) -> list[list[str]]:
+           min_full_per_layer: int | None = None, tp_size: int = 1) -> list[list[str]]:
     """Modes ``"full"`` / ``"sparse"`` per layer and KV head from scores ``[L, H_kv]`` (higher = full).
 
     ``budget``: fraction of KV heads kept full. ``layer_scores``: the scores rate whole layers (entropy: every
     head of a layer has its layer's score), so whole layers stay full. ``min_full_per_layer``: default 1 with
-    ``per_layer`` and a budget above 0 (HSA's rule), else 0."""
+    ``per_layer`` and a budget above 0 (HSA's rule), else 0. ``tp_size``: tensor-parallel ranks; above 1 every
+    layer keeps the same number of full heads on every rank (:func:`~flexsparse.routers.selection.select_modes`)."""
     budget = as_float("budget", budget, minimum=0.0, maximum=1.0)
     if not isinstance(scores, Tensor) or scores.dim() != 2:
         raise ValueError(f"scores must be a tensor [L, H_kv], got {getattr(scores, 'shape', type(scores))}")
     if layer_scores:
-        return entropy_selection(scores[:, 0], 1.0 - budget, scores.shape[1], full="full", sparse="sparse")
+        return entropy_selection(scores[:, 0], 1.0 - budget, scores.shape[1], full="full", sparse="sparse",
+                                 tp_size=tp_size)
     minimum = int(per_layer and budget > 0) if min_full_per_layer is None else min_full_per_layer
-    return select_modes(scores, 1.0 - budget, per_layer=per_layer, min_full_per_layer=minimum)
+    return select_modes(scores, 1.0 - budget, per_layer=per_layer, min_full_per_layer=minimum, tp_size=tp_size)
 
 
 @dataclass
@@ -416,9 +418,10 @@ class Calibration:
         heads = [mode for layer in self.modes for mode in layer]
         return sum(mode == "full" for mode in heads) / len(heads)
 
-    def reselect(self, budget: float, per_layer: bool = True) -> Calibration:
-        """The same scores under another budget."""
-        modes = select(self.scores, budget, per_layer=per_layer, layer_scores=self.method == "entropy")
+    def reselect(self, budget: float, per_layer: bool = True, tp_size: int = 1) -> Calibration:
+        """The same scores under another budget (``tp_size``: balanced across tensor-parallel ranks)."""
+        modes = select(self.scores, budget, per_layer=per_layer, layer_scores=self.method == "entropy",
+                       tp_size=tp_size)
         return Calibration(self.method, self.scores, modes, self.patterns, budget, per_layer)
 
     def convert(self, model: nn.Module, **options) -> nn.Module:
@@ -483,7 +486,7 @@ def calibrate(model: nn.Module, tokenizer, *, method: str = "retrieval", budget:
               per_layer: bool = True, sparse: Pattern = DEFAULT_SPARSE, corpus: Corpus | None = None,
               length: int = 2048, samples: int = 8, batch_size: int | None = None,
               gates: GateOptions = GateOptions(), greedy: GreedyOptions = GreedyOptions(), seed: int = 0,
-              progress: bool = False) -> Calibration:
+              progress: bool = False, tp_size: int = 1) -> Calibration:
     """Choose which KV heads of ``model`` stay full (causal) and which run ``sparse``, from a selector's scores
     on real text.
 
@@ -502,9 +505,11 @@ def calibrate(model: nn.Module, tokenizer, *, method: str = "retrieval", budget:
         gates: training options of the ``gates`` selector.
         greedy: options of the ``greedy`` selector (text windows of ``length``, half the samples each of text
             and passkey prompts).
+        tp_size: tensor-parallel ranks the modes are for (transformers' ``tp_plan``); above 1 every layer keeps
+            the same number of full heads on every rank, each rank its best-scoring ones.
     """
     scores = calibration_scores(model, tokenizer, method, sparse=sparse, corpus=corpus, length=length,
                                 samples=samples, batch_size=batch_size, gates=gates, greedy=greedy, seed=seed,
                                 progress=progress)
-    modes = select(scores, budget, per_layer=per_layer, layer_scores=method == "entropy")
+    modes = select(scores, budget, per_layer=per_layer, layer_scores=method == "entropy", tp_size=tp_size)
     return Calibration(method, scores, modes, {"full": Causal(), "sparse": sparse}, float(budget), per_layer)

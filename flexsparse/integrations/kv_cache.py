@@ -380,7 +380,7 @@ class _EsaKeys(_EveryKey):
         group = self.group_size
         outputs = [attend(q_group[:, first * group:(first + count) * group], keys[:, first:first + count],
                           values[:, first:first + count], self.rule, scale, q_positions=q_positions,
-                          key_slots=key_slots, head_offset=head * group)
+                          key_slots=key_slots, head_offset=(layer.first_kv_head + head) * group)
                    for first, count, head in self.runs]
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, 1)
 

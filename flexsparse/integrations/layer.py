@@ -109,6 +109,9 @@ class SparseAttentionLayer(nn.Module):
     its per-sequence modes ``prefill_modes`` (int64 ``[B, H_kv]``), which decode steps reuse.
     """
 
+    first_kv_head = 0
+    """The layer's index of ``groups``' KV head 0 (a tensor-parallel rank's first head; ESA's shifts use it)."""
+
     def __init__(self, layer_idx: int, path: str, num_heads: int, num_kv_heads: int, head_dim: int,
                  patterns: Mapping[str, Pattern], modes: Sequence[int], *, block_size: int, backend: str,
                  plan: str, router: Router | None = None) -> None:

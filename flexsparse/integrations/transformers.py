@@ -227,8 +227,10 @@ def _layer_patterns(patterns, num_layers: int) -> list[Mapping[str, Pattern]]:
                     f"got {type(patterns).__name__}")
 
 
-def _layer_modes(modes, patterns: list[Mapping[str, Pattern]], kv_heads: list[int]) -> list[list[int]]:
-    """Per layer, per KV head mode indices; errors name the layer and the head."""
+def _layer_modes(modes, patterns: list[Mapping[str, Pattern]], kv_heads: list[int],
+                 tp_size: int = 1) -> list[list[int]]:
+    """Per layer, per KV head mode indices; errors name the layer and the head (and, under tensor parallelism
+    over ``tp_size`` ranks, modes given for one rank's heads instead of the layer's)."""
     if isinstance(modes, (str, bytes)) or not isinstance(modes, Sequence):
         raise TypeError(f"modes must be one list of per-KV-head pattern names or indices per layer, got "
                         f"{type(modes).__name__}")
@@ -242,6 +244,10 @@ def _layer_modes(modes, patterns: list[Mapping[str, Pattern]], kv_heads: list[in
             raise TypeError(f"modes for layer {index} must be a list of per-KV-head names or indices, got "
                             f"{type(layer_modes).__name__}")
         if len(layer_modes) != heads:
+            if tp_size > 1 and len(layer_modes) * tp_size == heads:
+                raise ValueError(f"modes for layer {index} has {len(layer_modes)} entries, one rank's share of its "
+                                 f"{heads} KV heads under tensor parallelism over {tp_size} ranks: give the modes "
+                                 f"of all {heads} KV heads (the same modes as on one device) on every rank")
             raise ValueError(f"modes for layer {index} has {len(layer_modes)} entries, layer {index} has {heads} "
                              "KV heads")
         names = list(layer_patterns)
@@ -259,6 +265,28 @@ def _layer_modes(modes, patterns: list[Mapping[str, Pattern]], kv_heads: list[in
                     raise ValueError(f"modes for layer {index}, KV head {head} must be a pattern name or an index "
                                      f"< {len(names)}, got {mode!r}") from None
         result.append(indices)
+    return result
+
+
+def _tensor_parallel_heads(model: PreTrainedModel, layers: list[tuple[str, nn.Module]],
+                           heads: list[tuple[int, int, int]]) -> list[range] | None:
+    """Each layer's KV heads on this rank when transformers sharded the model by heads (``tp_plan``), else None.
+    ValueError naming the layer when its KV heads do not divide among the ranks or k_proj is not sharded so."""
+    from flexsparse.distributed.tensor_parallel import (  # it imports this package
+        check_sharded_heads,
+        rank_kv_heads,
+        tensor_parallel_rank,
+    )
+
+    placement = tensor_parallel_rank(model)
+    if placement is None:
+        return None
+    rank, size = placement
+    result = []
+    for index, ((path, module), (_, num_kv, dim)) in enumerate(zip(layers, heads)):
+        where = f"layer {index} ({path})"
+        result.append(rank_kv_heads(num_kv, size, rank, where))
+        check_sharded_heads(module, num_kv, dim, size, where)
     return result
 
 
@@ -291,11 +319,23 @@ def convert(model: PreTrainedModel, patterns: Mapping[str, Pattern] | Sequence[M
     of the two patterns a router chooses between (default: the first full pattern and the first other one). A
     routed model chooses each sequence's modes at prefill and reuses them at decode; ``generate()`` then uses a
     DynamicCache (every head keeps every key). See :mod:`flexsparse.integrations.routing`.
+
+    Tensor parallelism: a model loaded with ``from_pretrained(..., tp_plan="auto")`` (transformers shards q/k/v
+    by heads; each rank's attention receives its own heads) is converted on every rank with the same, global
+    ``modes``; each rank runs its contiguous block of KV heads in their modes and its sparse KV cache holds them
+    only (:mod:`flexsparse.distributed.tensor_parallel`). ValueError when a layer's KV heads are not divisible by
+    the tensor-parallel size; routers are not supported there yet (ValueError).
     """
     register()
     layers = attention_layers(model)
     per_layer = _layer_patterns(patterns, len(layers))
     heads = [layer_heads(module) for _, module in layers]
+    rank_heads = _tensor_parallel_heads(model, layers, heads)
+    if rank_heads is not None and router is not None:
+        raise ValueError("convert(router=...) under tensor parallelism is not supported yet: a router decides from "
+                         "the states of every head and runs through HybridAttention directly; convert the "
+                         "tensor-parallel model with static modes (e.g. from flexsparse.calibrate or "
+                         "select_modes(..., tp_size=...))")
     routers: list = [None] * len(layers)
     if router is not None:
         factory = router_factory(router, router_options, per_layer, [dim for _, _, dim in heads])
@@ -309,13 +349,21 @@ def convert(model: PreTrainedModel, patterns: Mapping[str, Pattern] | Sequence[M
         if unrouted:
             raise ValueError(f"modes is required for layers without a router (layers {unrouted})")
         modes = [[found.full_mode] * kv for found, (_, kv, _) in zip(routers, heads)]
-    mode_indices = _layer_modes(modes, per_layer, [kv for _, kv, _ in heads])
+    tp_size = 1 if rank_heads is None else heads[0][1] // len(rank_heads[0])
+    mode_indices = _layer_modes(modes, per_layer, [kv for _, kv, _ in heads], tp_size)
     states = []
     for index, ((path, module), layer_patterns, (num_heads, num_kv, dim), layer_modes, layer_router) in enumerate(
             zip(layers, per_layer, heads, mode_indices, routers)):
+        options = {"block_size": block_size, "backend": backend, "plan": plan}
         try:
-            state = SparseAttentionLayer(index, path, num_heads, num_kv, dim, layer_patterns, layer_modes,
-                                         block_size=block_size, backend=backend, plan=plan, router=layer_router)
+            if rank_heads is None:
+                state = SparseAttentionLayer(index, path, num_heads, num_kv, dim, layer_patterns, layer_modes,
+                                             router=layer_router, **options)
+            else:
+                from flexsparse.distributed.tensor_parallel import TensorParallelLayer  # imports this module
+
+                state = TensorParallelLayer(index, path, num_heads, num_kv, dim, layer_patterns, layer_modes,
+                                            kv_heads=rank_heads[index], **options)
         except (TypeError, ValueError) as err:
             raise type(err)(f"layer {index} ({path}): {err}") from err
         state.train(model.training)  # a router samples (Gumbel) only in training mode, as the model does

@@ -184,9 +184,29 @@ def _check_mode(name: str, mode: object) -> Mode:
     return as_int(name, mode, minimum=0)
 
 
+def _balanced_keep(rows: list[list[float]], quota: int | None, per_layer_full: int, forced: set[int],
+                   tp_size: int) -> set[tuple[int, int]]:
+    """The full (layer, head) pairs with the same number on every tensor-parallel rank in each layer (rank r: the
+    r-th contiguous block of heads), each rank's best-scoring heads first: per layer ``ceil(per_layer_full / P)``
+    per rank, then (``quota``: a model-wide count of full heads, None per layer) whole stripes (the j-th best head
+    of every rank of a layer, ranked by their summed scores) until at least ``quota`` heads are full."""
+    units = len(rows[0])
+    share = units // tp_size
+    order = [[sorted(range(r * share, (r + 1) * share), key=lambda h: (-row[h], h)) for r in range(tp_size)]
+             for row in rows]  # per layer and rank, its heads best first
+    depth = [share if layer in forced else -(-per_layer_full // tp_size) for layer in range(len(rows))]
+    if quota is not None:
+        stripes = sorted(((layer, j) for layer in range(len(rows)) for j in range(depth[layer], share)),
+                         key=lambda lj: (-sum(rows[lj[0]][heads[lj[1]]] for heads in order[lj[0]]), lj))
+        missing = max(0, quota - tp_size * sum(depth))
+        for layer, _ in stripes[: -(-missing // tp_size)]:
+            depth[layer] += 1  # stripes of a layer come best first: its sums do not increase with j
+    return {(layer, heads[j]) for layer in range(len(rows)) for heads in order[layer] for j in range(depth[layer])}
+
+
 def select_modes(scores: Tensor | Sequence, rho: float, *, per_layer: bool, min_full_per_layer: int = 0,
                  keep_first_last_full: bool = False, num_kv_heads: int | None = None, full: Mode = "full",
-                 sparse: Mode = "sparse") -> list[list[Mode]]:
+                 sparse: Mode = "sparse", tp_size: int = 1) -> list[list[Mode]]:
     """Modes per layer and KV head from importance scores (higher = keep full).
 
     Args:
@@ -198,6 +218,11 @@ def select_modes(scores: Tensor | Sequence, rho: float, *, per_layer: bool, min_
         keep_first_last_full: layers 0 and L - 1 all full (their units count towards a model-wide quota).
         num_kv_heads: expands layer scores (U = 1) to this many KV heads; for head scores it must equal U.
         full, sparse: the mode names (or pattern indices) to emit.
+        tp_size: tensor-parallel ranks P (transformers' ``tp_plan``: rank r holds the r-th contiguous block of
+            ``H_kv / P`` KV heads). Above 1, every layer keeps the same number of full heads on every rank, each
+            rank its best-scoring ones: per layer the full count rounded up to a multiple of P (``per_layer``),
+            or model-wide whole stripes of P heads (the j-th best of every rank of a layer) by their summed
+            scores until the quota is met. Layer scores (U = 1) are balanced as they are.
 
     Constraints win over the quota: the result may be less sparse than ``rho``, never sparser.
     """
@@ -213,8 +238,16 @@ def select_modes(scores: Tensor | Sequence, rho: float, *, per_layer: bool, min_
         width = as_int("num_kv_heads", num_kv_heads, minimum=1)
         if units not in (1, width):
             raise ValueError(f"num_kv_heads ({width}) must equal the {units} units per layer of scores")
+    tp_size = as_int("tp_size", tp_size, minimum=1)
+    if width % tp_size:
+        raise ValueError(f"{width} KV heads per layer are not divisible by tp_size={tp_size}: tensor parallelism "
+                         "gives every rank a whole block of KV heads")
     forced = {0, layers - 1} if keep_first_last_full else set()
     quota = lambda n: math.floor((1.0 - rho) * n + 1e-9)
+    if tp_size > 1 and units > 1:
+        keep = _balanced_keep(rows, None if per_layer else quota(layers * units),
+                              max(min_full, quota(units)) if per_layer else min_full, forced, tp_size)
+        return [[full if (layer, h) in keep else sparse for h in range(width)] for layer in range(layers)]
     rank = lambda items: sorted(items, key=lambda lu: (-rows[lu[0]][lu[1]], lu))
     keep: set[tuple[int, int]] = {(layer, u) for layer in forced for u in range(units)}
     for layer in range(layers):
@@ -230,30 +263,33 @@ def select_modes(scores: Tensor | Sequence, rho: float, *, per_layer: bool, min_
 
 
 def hsa_selection(discrepancy: Tensor | Sequence, rho: float, *, keep_first_last_full: bool = False,
-                  full: Mode = "full", sparse: Mode = "sparse") -> list[list[Mode]]:
+                  full: Mode = "full", sparse: Mode = "sparse", tp_size: int = 1) -> list[list[Mode]]:
     """HSA's Algorithm 1 per layer: the ``floor((1 - rho) * H_kv)`` KV heads with the largest discrepancy stay
-    full, at least one per layer. ``discrepancy`` ``[L, H_kv]`` (rows of :func:`hsa_discrepancy`)."""
+    full, at least one per layer. ``discrepancy`` ``[L, H_kv]`` (rows of :func:`hsa_discrepancy`); ``tp_size``:
+    as in :func:`select_modes`."""
     return select_modes(discrepancy, rho, per_layer=True, min_full_per_layer=1,
-                        keep_first_last_full=keep_first_last_full, full=full, sparse=sparse)
+                        keep_first_last_full=keep_first_last_full, full=full, sparse=sparse, tp_size=tp_size)
 
 
 def retrieval_selection(scores: Tensor | Sequence, rho: float, *, min_full_per_layer: int = 0,
                         keep_first_last_full: bool = False, full: Mode = "full",
-                        sparse: Mode = "sparse") -> list[list[Mode]]:
+                        sparse: Mode = "sparse", tp_size: int = 1) -> list[list[Mode]]:
     """Elastic's Appendix B.2: the ``floor((1 - rho) * L * H_kv)`` heads with the highest retrieval scores over
-    the whole model stay full. ``scores`` ``[L, H_kv]`` (rows of :func:`retrieval_scores`)."""
+    the whole model stay full. ``scores`` ``[L, H_kv]`` (rows of :func:`retrieval_scores`); ``tp_size``: as in
+    :func:`select_modes`."""
     return select_modes(scores, rho, per_layer=False, min_full_per_layer=min_full_per_layer,
-                        keep_first_last_full=keep_first_last_full, full=full, sparse=sparse)
+                        keep_first_last_full=keep_first_last_full, full=full, sparse=sparse, tp_size=tp_size)
 
 
 def entropy_selection(entropies: Tensor | Sequence, rho: float, num_kv_heads: int, *,
                       keep_first_last_full: bool = False, full: Mode = "full",
-                      sparse: Mode = "sparse") -> list[list[Mode]]:
+                      sparse: Mode = "sparse", tp_size: int = 1) -> list[list[Mode]]:
     """Flux's Appendix C.2: the ``floor((1 - rho) * L)`` layers with the highest entropy stay full, every KV head
-    of a layer in its layer's mode. ``entropies`` ``[L]`` (values of :func:`layer_entropy`)."""
+    of a layer in its layer's mode (balanced across tensor-parallel ranks as it is; ``tp_size`` checks that
+    ``num_kv_heads`` divides among them). ``entropies`` ``[L]`` (values of :func:`layer_entropy`)."""
     if isinstance(entropies, Sequence) and not isinstance(entropies, Tensor):
         entropies = torch.as_tensor([float(e) for e in entropies])
     if not isinstance(entropies, Tensor) or entropies.dim() != 1:
         raise ValueError("entropies must be one value per layer, [L]")
     return select_modes(entropies, rho, per_layer=False, keep_first_last_full=keep_first_last_full,
-                        num_kv_heads=num_kv_heads, full=full, sparse=sparse)
+                        num_kv_heads=num_kv_heads, full=full, sparse=sparse, tp_size=tp_size)

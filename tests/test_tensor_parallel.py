@@ -1,0 +1,300 @@
+"""Tensor-parallel inference (transformers' ``tp_plan="auto"`` + flexsparse.convert with global modes) against one
+process running the converted model: prefill logits of padded batches, greedy generate() tokens, the sparse KV
+cache's bytes per rank, on 2 and 4 gloo processes on CPU (loopback only), Llama and Qwen3 tiny configs; the
+errors; the balanced selection of full heads and the per-rank tile counts (in-process)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("accelerate")  # transformers' tp_plan needs it (the eval extra)
+
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+import flexsparse
+from flexsparse import ESA, Causal, SinkWindow, TriangleMix
+from flexsparse.distributed import rank_kv_heads, rank_tiles, tensor_parallel_rank
+from flexsparse.integrations import SparseKVCache, cache_argument, kv_memory_formula
+from flexsparse.masks.geometry import Geometry
+from flexsparse.routers.selection import select_modes
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
+
+LOOPBACK = "lo0" if sys.platform == "darwin" else "lo"
+LAYERS, HEADS, KV_HEADS, HEAD_DIM = 2, 8, 4, 16
+SINK, WINDOW = 2, 4
+ATOL = 1e-5
+NEW_TOKENS = 6
+
+
+def tiny_config(kind: str):
+    shared = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": LAYERS,
+              "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM,
+              "max_position_embeddings": 256, "tie_word_embeddings": False}
+    return LlamaConfig(**shared) if kind == "llama" else Qwen3Config(**shared)
+
+
+def layer_patterns() -> list[dict]:
+    """Every cache kind per layer: full (Causal, TriangleMix), ring (SinkWindow) and ESA with per-head shifts."""
+    return [{"full": Causal(), "ssa": SinkWindow(SINK, WINDOW), "tri": TriangleMix(2, 4, 2),
+             "esa": ESA(layer, LAYERS, 4, HEADS)} for layer in range(LAYERS)]
+
+
+MODES = [["full", "ssa", "ssa", "esa"], ["ssa", "tri", "esa", "full"]]
+
+
+def inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    """A left-padded batch: row 0 holds 4 padding tokens before 8 real ones, row 1 is 12 real tokens."""
+    ids = torch.randint(1, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[0, :4] = 0
+    ids[0, :4] = 0
+    return ids, mask
+
+
+def rank_formula(modes: list[list[str]], heads: range, batch: int, tokens: int) -> int:
+    """KV bytes of the rank's heads (fp32): every-key heads keep every token, rings ``min(S, sink + window)``."""
+    kept = sum(min(tokens, SINK + WINDOW) if layer[h] == "ssa" else tokens for layer in modes for h in heads)
+    return 2 * batch * HEAD_DIM * 4 * kept
+
+
+def generate_with_cache(model, ids, mask):
+    cache = SparseKVCache(model, max_length=ids.shape[1] + NEW_TOKENS - 1)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
+                         pad_token_id=0, **{cache_argument(model): cache})
+    return out, cache
+
+
+def check_model(path: str, rank: int, world: int) -> None:
+    """The converted TP model's logits, tokens and cache bytes against the converted single-process model."""
+    ids, mask = inputs()
+    single = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    sharded = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, tp_plan="auto").eval()
+    assert tensor_parallel_rank(sharded) == (rank, world)
+    assert tensor_parallel_rank(single) is None
+    for model in (single, sharded):
+        flexsparse.convert(model, layer_patterns(), MODES, block_size=4, backend="dense")
+    heads = rank_kv_heads(KV_HEADS, world, rank)
+    with torch.no_grad():
+        expected = single(ids, attention_mask=mask).logits
+        got = sharded(ids, attention_mask=mask).logits
+    real = mask.bool()
+    torch.testing.assert_close(got[real], expected[real], atol=ATOL, rtol=0)
+    assert flexsparse.integrations.layer_modes(sharded) == MODES  # global modes on every rank
+
+    tokens_single, cache_single = generate_with_cache(single, ids, mask)
+    tokens_sharded, cache_sharded = generate_with_cache(sharded, ids, mask)
+    assert torch.equal(tokens_sharded, tokens_single)
+    assert tokens_sharded.shape[1] == ids.shape[1] + NEW_TOKENS
+
+    cached = ids.shape[1] + NEW_TOKENS - 1
+    report = cache_sharded.memory_report()
+    assert report.tokens == cached
+    mine = rank_formula(MODES, heads, ids.shape[0], cached)
+    assert report.used_bytes == report.allocated_bytes == mine
+    assert kv_memory_formula(sharded, ids.shape[0], cached, torch.float32) == mine
+    every = torch.tensor([mine])
+    gathered = [torch.zeros_like(every) for _ in range(world)]
+    dist.all_gather(gathered, every)
+    assert sum(int(t) for t in gathered) == cache_single.memory_report().used_bytes
+
+    # modes for the rank's heads only, instead of the layer's: named in the error
+    local = [layer[heads.start:heads.stop] for layer in MODES]
+    with pytest.raises(ValueError, match=f"one rank's share of its {KV_HEADS} KV heads under tensor parallelism "
+                                         f"over {world} ranks"):
+        flexsparse.convert(sharded, layer_patterns(), local, block_size=4, backend="dense")
+    with pytest.raises(ValueError, match="router=.*tensor parallelism is not supported"):
+        flexsparse.convert(sharded, layer_patterns(), None, router="head")
+
+
+def run_checks(rank: int, world: int, port: int, paths: list[str]) -> None:
+    torch.set_num_threads(1)  # first: no thread pool inherited through fork
+    os.environ.update(GLOO_SOCKET_IFNAME=LOOPBACK, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    try:
+        for path in paths:
+            check_model(path, rank, world)
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+START = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+
+
+@pytest.fixture(scope="module")
+def saved_models(tmp_path_factory) -> dict[str, str]:
+    paths = {}
+    for kind in ("llama", "qwen3"):
+        torch.manual_seed(0)
+        config = tiny_config(kind)
+        path = tmp_path_factory.mktemp(kind)
+        AutoModelForCausalLM.from_config(config).save_pretrained(path)
+        paths[kind] = str(path)
+    return paths
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_matches_single_process(saved_models, kind, world):
+    mp.start_processes(run_checks, args=(world, free_port(), [saved_models[kind]]), nprocs=world,
+                       start_method=START)
+
+
+# ----- in-process: detection and errors ------------------------------------------------------------------------
+
+
+class FakeMesh:
+    """A 1-D device mesh that only tells its size and this process's coordinate."""
+
+    ndim = 1
+    mesh_dim_names = ("tp",)
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self._size = rank, size
+
+    def size(self) -> int:
+        return self._size
+
+    def get_local_rank(self) -> int:
+        return self.rank
+
+
+def test_rank_kv_heads():
+    assert [rank_kv_heads(8, 4, r) for r in range(4)] == [range(2), range(2, 4), range(4, 6), range(6, 8)]
+    assert rank_kv_heads(3, 1, 0) == range(3)
+    with pytest.raises(ValueError, match="layer 2 has 6 KV heads, not divisible by the tensor-parallel size 4"):
+        rank_kv_heads(6, 4, 1, "layer 2")
+
+
+def test_kv_heads_not_divisible(saved_models):
+    model = AutoModelForCausalLM.from_pretrained(saved_models["llama"], dtype=torch.float32)
+    model._tp_size, model._device_mesh = 8, FakeMesh(3, 8)
+    assert tensor_parallel_rank(model) == (3, 8)
+    with pytest.raises(ValueError, match=r"layer 0 \(model.layers.0.self_attn\) has 4 KV heads, not divisible by "
+                                         "the tensor-parallel size 8"):
+        flexsparse.convert(model, layer_patterns(), MODES, backend="dense")
+    model._tp_size, model._device_mesh = 2, FakeMesh(1, 2)  # k_proj not sharded: refused, not misread
+    with pytest.raises(ValueError, match="this rank's k_proj holds 64 rows, expected 4 KV heads x head_dim 16 / "
+                                         "tensor-parallel size 2 = 32"):
+        flexsparse.convert(model, layer_patterns(), MODES, backend="dense")
+
+
+# ----- balanced selection and per-rank cost -------------------------------------------------------------------
+
+
+def full_per_rank(modes: list[list[str]], tp_size: int) -> list[list[int]]:
+    share = len(modes[0]) // tp_size
+    return [[layer[r * share:(r + 1) * share].count("full") for r in range(tp_size)] for layer in modes]
+
+
+@settings(max_examples=60, deadline=None)
+@given(layers=st.integers(1, 4), share=st.integers(1, 4), tp_size=st.sampled_from([1, 2, 4]),
+       rho=st.floats(0.0, 1.0), per_layer=st.booleans(), min_full=st.integers(0, 2), first_last=st.booleans(),
+       seed=st.integers(0, 10_000))
+def test_balanced_selection(layers, share, tp_size, rho, per_layer, min_full, first_last, seed):
+    heads = share * tp_size
+    min_full = min(min_full, heads)
+    scores = torch.rand(layers, heads, generator=torch.Generator().manual_seed(seed))
+    options = {"per_layer": per_layer, "min_full_per_layer": min_full, "keep_first_last_full": first_last}
+    plain = select_modes(scores, rho, **options)
+    balanced = select_modes(scores, rho, tp_size=tp_size, **options)
+    if tp_size == 1:
+        assert balanced == plain
+    counts = full_per_rank(balanced, tp_size)
+    for layer, per_rank in enumerate(counts):
+        assert len(set(per_rank)) == 1, f"layer {layer}: full heads per rank {per_rank}"
+        assert sum(per_rank) >= min_full
+        # each rank keeps its own best-scoring heads full
+        for r in range(tp_size):
+            block = scores[layer, r * share:(r + 1) * share]
+            chosen = [h for h in range(share) if balanced[layer][r * share + h] == "full"]
+            best = sorted(range(share), key=lambda h: (-float(block[h]), h))[:len(chosen)]
+            assert sorted(chosen) == sorted(best)
+    total = lambda modes: sum(layer.count("full") for layer in modes)
+    assert total(balanced) >= total(plain)  # never sparser than asked
+    if per_layer:  # at most the plain count rounded up to a multiple of tp_size, per layer
+        for mine, theirs in zip(full_per_rank(balanced, tp_size), plain):
+            assert sum(mine) == -(-theirs.count("full") // tp_size) * tp_size
+    else:
+        assert total(balanced) < total(plain) + tp_size * layers
+
+
+def test_balanced_selection_example():
+    scores = torch.tensor([[9.0, 8.0, 1.0, 0.0], [0.0, 1.0, 2.0, 3.0]])
+    assert select_modes(scores, 0.5, per_layer=True) == [["full", "full", "sparse", "sparse"],
+                                                          ["sparse", "sparse", "full", "full"]]
+    assert select_modes(scores, 0.5, per_layer=True, tp_size=2) == [["full", "sparse", "full", "sparse"],
+                                                                     ["sparse", "full", "sparse", "full"]]
+    with pytest.raises(ValueError, match="4 KV heads per layer are not divisible by tp_size=3"):
+        select_modes(scores, 0.5, per_layer=True, tp_size=3)
+    layer_scores = torch.tensor([1.0, 2.0])
+    assert select_modes(layer_scores, 0.5, per_layer=False, num_kv_heads=4, tp_size=2) == [
+        ["sparse"] * 4, ["full"] * 4]
+
+
+def brute_force_tiles(pattern, heads: int, length: int, block: int) -> torch.Tensor:
+    """Tiles with any attended key per query head, from the dense reference."""
+    dense = pattern.dense(Geometry(heads, length, length, block))[0].expand(heads, -1, -1)
+    blocks = -(-length // block)
+    padded = torch.zeros(heads, blocks * block, blocks * block, dtype=torch.bool)
+    padded[:, :length, :length] = dense
+    return padded.view(heads, blocks, block, blocks, block).any(4).any(2).sum((1, 2))
+
+
+def test_rank_tiles():
+    length, block, heads = 200, 16, 8
+    patterns = layer_patterns()
+    patterns = [{**p, "ssa": SinkWindow(16, 48)} for p in patterns]
+    tiles = rank_tiles(patterns, MODES, heads, length, 2, block_size=block)
+    assert tiles.shape == (2, LAYERS)
+    group = heads // KV_HEADS
+    for layer, layer_modes in enumerate(MODES):
+        per_head = torch.cat([brute_force_tiles(patterns[layer][m], heads, length, block)
+                              [h * group:(h + 1) * group] for h, m in enumerate(layer_modes)])
+        expected = per_head.view(2, -1).sum(1)
+        assert tiles[:, layer].tolist() == expected.tolist()
+    assert rank_tiles(patterns, MODES, heads, length, 1, block_size=block)[0].tolist() == tiles.sum(0).tolist()
+    balanced = [["full", "ssa", "full", "ssa"]] * LAYERS
+    unbalanced = [["full", "full", "ssa", "ssa"]] * LAYERS
+    even = rank_tiles(patterns, balanced, heads, length, 2, block_size=block)
+    uneven = rank_tiles(patterns, unbalanced, heads, length, 2, block_size=block)
+    assert even[0].tolist() == even[1].tolist() and even.sum() == uneven.sum()
+    assert uneven.max() > even.max()
+    with pytest.raises(ValueError, match="layer 0 has 4 KV heads, not divisible by the tensor-parallel size 3"):
+        rank_tiles(patterns, MODES, heads, length, 3)
+    with pytest.raises(ValueError, match="names unknown pattern 'nope'"):
+        rank_tiles(patterns, [["nope"] * 4] * 2, heads, length, 2)
+
+
+def test_calibration_selects_for_tp_size():
+    from flexsparse.integrations.calibration import Calibration, select
+
+    scores = torch.tensor([[9.0, 8.0, 1.0, 0.0], [0.0, 1.0, 2.0, 3.0]])
+    balanced = [["full", "sparse", "full", "sparse"], ["sparse", "full", "sparse", "full"]]
+    assert select(scores, 0.5, tp_size=2) == balanced
+    calibration = Calibration("retrieval", scores, select(scores, 0.5), {"full": Causal(), "sparse": SinkWindow(2, 4)},
+                              0.5, True)
+    assert calibration.reselect(0.5, tp_size=2).modes == balanced
+    assert calibration.reselect(0.5).modes == calibration.modes
+    entropy = torch.tensor([[1.0] * 4, [2.0] * 4])
+    assert select(entropy, 0.5, layer_scores=True, tp_size=4) == [["sparse"] * 4, ["full"] * 4]
+    with pytest.raises(ValueError, match="not divisible by tp_size=3"):
+        select(entropy, 0.5, layer_scores=True, tp_size=3)
