@@ -315,3 +315,22 @@ def test_arguments_json_cannot_carry_are_refused(monkeypatch):
 
     with pytest.raises(TypeError, match=r"cannot describe Shifted argument 'shift' \(function\) in JSON"):
         Shifted().config()
+
+
+# ----- routers: one registry too ---------------------------------------------------------------------------------
+
+def test_routers_register_once_by_kind():
+    from flexsparse.routers import HeadRouter, LayerRouter, Router, registered_routers, router_class
+
+    assert dict(registered_routers()) == {"head": HeadRouter, "layer": LayerRouter}
+
+    class Tuned(HeadRouter):  # no kind of its own: not registered, "head" stays HeadRouter
+        pass
+
+    assert router_class("head") is HeadRouter
+    with pytest.raises(ValueError, match=r"router kind 'layer' of .*Impostor is taken by .*LayerRouter"):
+        class Impostor(HeadRouter):
+            kind = "layer"
+    with pytest.raises(ValueError, match=r"unknown router kind 'mlp'; known: \['head', 'layer'\]"):
+        Router.from_config({"kind": "mlp", "head_dim": 8})
+    assert type(Router.from_config(LayerRouter(8).config())) is LayerRouter

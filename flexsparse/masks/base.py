@@ -146,7 +146,7 @@ class Pattern(ABC):
     """True for full causal attention (FA): such heads count as dense in MSR/ESR and may run on SDPA."""
 
     __signature__: ClassVar[inspect.Signature]
-    _arguments: dict[str, Any]
+    _arguments: tuple[tuple[Any, ...], dict[str, Any]]
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -157,14 +157,11 @@ class Pattern(ABC):
             _register(cls)
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Self:
+        """Record the constructor's arguments for :meth:`config` (lists as tuples: later edits do not count);
+        they are matched to the parameters only there."""
         pattern = super().__new__(cls)
-        try:
-            bound = cls.__signature__.bind(*args, **kwargs)
-        except TypeError:  # __init__ raises it; copy and pickle call __new__ without arguments
-            return pattern
-        bound.apply_defaults()
-        snapshot = lambda value: tuple(value) if isinstance(value, list) else value  # later edits of a list
-        pattern._arguments = {key: snapshot(value) for key, value in bound.arguments.items()}
+        snapshot = lambda value: tuple(value) if isinstance(value, list) else value
+        pattern._arguments = (tuple(map(snapshot, args)), {key: snapshot(v) for key, v in kwargs.items()})
         return pattern
 
     def config(self) -> dict[str, Any]:
@@ -175,11 +172,14 @@ class Pattern(ABC):
         own ``name``), or an argument JSON cannot carry.
         """
         kind = type(self)
-        if _REGISTRY.get(kind.name) is not kind or not hasattr(self, "_arguments"):
+        if _REGISTRY.get(kind.name) is not kind:
             raise TypeError(f"cannot describe {self!r} ({kind.__name__}) in JSON: only a class registered under its "
                             f"own name can be (registered: {sorted(_REGISTRY)})")
+        args, kwargs = self._arguments
+        bound = kind.__signature__.bind(*args, **kwargs)
+        bound.apply_defaults()
         described: dict[str, Any] = {"type": kind.name}
-        for key, value in self._arguments.items():
+        for key, value in bound.arguments.items():
             described[key] = _to_json(value, f"{kind.__name__} argument {key!r}")
         return described
 
