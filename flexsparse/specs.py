@@ -1,25 +1,24 @@
 """Patterns from short text specs, for the command line and JSON configs.
 
 A spec is ``name`` or ``name:key=value,key=value``, e.g. ``causal``, ``sink_window:sink=128,window=2048`` or
-``esa:num_layers=8,attn_length=64,num_heads=8``. A layer of per-head patterns joins specs with ``+``. In a stack,
-an ESA spec without ``layer_idx`` takes its position in the stack.
+``esa:num_layers=8,attn_length=64,num_heads=8``: ``name`` is a registered ``Pattern.name``
+(:func:`flexsparse.masks.registered_patterns`) and the keys are its constructor's arguments. A layer of per-head
+patterns joins specs with ``+``. In a stack, a pattern that takes a ``layer_idx`` (ESA) and whose spec leaves it
+out takes its position in the stack.
 
 Every problem with a spec is a ValueError whose message quotes the spec.
 """
 
 from __future__ import annotations
 
-from flexsparse.masks import ESA, Causal, Pattern, SinkWindow, TriangleMix
+import inspect
+
+from flexsparse.masks import Pattern, registered_patterns
 from flexsparse.validation import as_int
 
-PATTERNS: dict[str, type[Pattern]] = {
-    "causal": Causal, "sink_window": SinkWindow, "esa": ESA, "triangle_mix": TriangleMix,
-}
-
-
-def register(name: str, cls: type[Pattern]) -> None:
-    """Make a pattern class available to specs under ``name``."""
-    PATTERNS[name] = cls
+PATTERNS = registered_patterns()
+"""Spec name -> pattern class: the pattern registry (a read-only view; a new Pattern subclass with its own
+``name`` appears here)."""
 
 
 def _number(text: str, key: str, spec: str) -> int | float:
@@ -44,18 +43,23 @@ def split_spec(spec: str) -> tuple[str, dict[str, int | float]]:
 
 
 def parse_pattern(spec: str, layer_idx: int | None = None) -> Pattern:
-    """One pattern from ``name[:key=value,...]`` (values are ints or floats)."""
+    """One pattern from ``name[:key=value,...]`` (values are ints or floats); ``layer_idx`` goes to a pattern that
+    takes one when the spec does not give it."""
     name, kwargs = split_spec(spec)
     if name not in PATTERNS:
         raise ValueError(f"unknown pattern {name!r} in spec {spec!r}; known: {sorted(PATTERNS)}")
-    if PATTERNS[name] is ESA and "layer_idx" not in kwargs and layer_idx is not None:
+    cls = PATTERNS[name]
+    takes_layer_idx = "layer_idx" in inspect.signature(cls).parameters
+    from_stack = layer_idx is not None and takes_layer_idx and "layer_idx" not in kwargs
+    if from_stack:
         kwargs["layer_idx"] = layer_idx
     try:
-        return PATTERNS[name](**kwargs)
+        return cls(**kwargs)
     except (TypeError, ValueError) as err:
         hint = ""
-        if PATTERNS[name] is ESA and "layer_idx" in str(err) and layer_idx is not None:
-            hint = " (in a stack, ESA layers take their position as layer_idx: num_layers must cover the stack)"
+        if from_stack and "layer_idx" in str(err):
+            hint = (f" (in a stack, {cls.__name__} layers take their position as layer_idx: num_layers must cover "
+                    "the stack)")
         raise ValueError(f"bad arguments in spec {spec!r}: {err}{hint}") from err
 
 

@@ -35,15 +35,14 @@ from flexsparse.masks import Pattern
 from flexsparse.routers import (
     Boundary,
     HeadRouter,
-    LayerRouter,
     Router,
     Routing,
     boundary_positions,
+    registered_routers,
     routed_attention,
 )
 from flexsparse.validation import as_float
 
-ROUTER_KINDS = {"head": HeadRouter, "layer": LayerRouter}
 _OPTION_KEYS = ("pool_size", "init_std", "full", "sparse")
 
 RouterFactory = Callable[[int], Router | None]
@@ -79,16 +78,16 @@ def router_factory(router: str | RouterFactory, router_options: Mapping | None,
             raise TypeError("router_options go with router='head' or 'layer'; a router factory builds its routers "
                             "itself")
         return router
-    if router not in ROUTER_KINDS:
-        raise ValueError(f"router must be one of {sorted(ROUTER_KINDS)} or a function layer_idx -> Router, "
-                         f"got {router!r}")
+    kinds = registered_routers()
+    if not isinstance(router, str) or router not in kinds:
+        raise ValueError(f"router must be one of {sorted(kinds)} or a function layer_idx -> Router, got {router!r}")
     if not isinstance(router_options, (Mapping, type(None))):
         raise TypeError(f"router_options must be a dict, got {type(router_options).__name__}")
     options = dict(router_options or {})
     unknown = sorted(set(options) - set(_OPTION_KEYS))
     if unknown:
         raise ValueError(f"router_options has unknown keys {unknown}; known: {list(_OPTION_KEYS)}")
-    cls = ROUTER_KINDS[router]
+    cls = kinds[router]
 
     def build(layer: int) -> Router:
         names = patterns[layer]

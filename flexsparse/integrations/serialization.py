@@ -5,11 +5,15 @@
     {"format": "flexsparse.convert", "version": 1,
      "model": {"class": "LlamaForCausalLM", "num_layers": 3, "num_heads": [4, 4, 4], "num_kv_heads": [2, 2, 2]},
      "options": {"block_size": 128, "backend": "auto", "plan": "auto"},
-     "patterns": {"full": {"type": "causal"}, "ssa": {"type": "sink_window", "sink": 128, "window": 2048}},
+     "patterns": {"full": {"type": "causal"}, "ssa": {"type": "sink_window", "sink": 128, "window": 2048, "unit": 1}},
      "layers": [{"modes": ["full", "ssa"]}, {"modes": ["ssa", "ssa"]},
                 {"modes": ["ssa", "full"], "patterns": {...},      # "patterns" only where a layer has its own
                  "router": {"kind": "head", "head_dim": 128, ...}}], # "router" only on routed layers
      "weights": "flexsparse.safetensors"}                            # only when some layer has learned tensors
+
+Each pattern is its ``Pattern.config()`` (``"type"``: its registered name, then its constructor's arguments) and
+comes back through ``Pattern.from_config``: a registered pattern class needs nothing here. Files written before
+the registry hold the same entries (an argument left out takes its default).
 
 Learned tensors (parameters and persistent buffers of each layer's flexsparse state: its router's weights) are
 stored in ``flexsparse.safetensors`` under ``layers.<index>.<name>`` (``layers.3.router.task_mlp.0.weight``).
@@ -27,7 +31,7 @@ from torch import nn
 
 from flexsparse.integrations.layer import sparse_layers
 from flexsparse.integrations.transformers import attention_layers, convert, layer_heads
-from flexsparse.masks import ESA, Causal, Intersection, Pattern, SinkWindow, TriangleMix, Union, XAttention
+from flexsparse.masks import Pattern
 from flexsparse.routers import Router
 
 CONFIG_FILE = "flexsparse.json"
@@ -35,52 +39,8 @@ WEIGHTS_FILE = "flexsparse.safetensors"
 FORMAT, VERSION = "flexsparse.convert", 1
 
 
-def pattern_to_dict(pattern: Pattern) -> dict:
-    """A JSON description of a pattern (the built-in ones and their unions / intersections; not subclasses, whose
-    behaviour JSON cannot carry)."""
-    kind = type(pattern)
-    if kind is Causal:
-        return {"type": "causal"}
-    if kind is SinkWindow:
-        return {"type": "sink_window", "sink": pattern.sink, "window": pattern.window, "unit": pattern.unit}
-    if kind is ESA:
-        return {"type": "esa", "layer_idx": pattern.layer_idx, "num_layers": pattern.num_layers,
-                "attn_length": pattern.attn_length, "num_heads": pattern.num_heads}
-    if kind is TriangleMix:
-        return {"type": "triangle_mix", "sink": pattern.local.sink, "window": pattern.local.window,
-                "last_q": pattern.last_q}
-    if kind is XAttention:
-        threshold = pattern.threshold.tolist()
-        return {"type": "xattention", "threshold": threshold[0] if len(threshold) == 1 else threshold,
-                "stride": pattern.stride, "block_size": pattern.block_size, "rule": pattern.rule}
-    if kind in (Union, Intersection):
-        return {"type": pattern.name, "parts": [pattern_to_dict(p) for p in pattern.parts]}
-    raise TypeError(f"save_config cannot describe {pattern!r} ({type(pattern).__name__}) in JSON; it supports "
-                    "Causal, SinkWindow, ESA, TriangleMix, XAttention and their unions and intersections")
-
-
-_CLASSES = {"causal": Causal, "sink_window": SinkWindow, "esa": ESA, "triangle_mix": TriangleMix,
-            "xattention": XAttention}
-
-
-def pattern_from_dict(spec: dict) -> Pattern:
-    """The pattern a :func:`pattern_to_dict` description stands for."""
-    if not isinstance(spec, dict) or "type" not in spec:
-        raise ValueError(f"a pattern description is a dict with a 'type', got {spec!r}")
-    kind, args = spec["type"], {k: v for k, v in spec.items() if k != "type"}
-    if kind in ("union", "intersection"):
-        parts = [pattern_from_dict(p) for p in args.get("parts", [])]
-        return (Union if kind == "union" else Intersection)(*parts)
-    if kind not in _CLASSES:
-        raise ValueError(f"unknown pattern type {kind!r}; known: {sorted(_CLASSES) + ['intersection', 'union']}")
-    try:
-        return _CLASSES[kind](**args)
-    except TypeError as err:
-        raise ValueError(f"bad arguments for pattern {spec!r}: {err}") from err
-
-
 def _patterns_to_dict(patterns) -> dict:
-    return {name: pattern_to_dict(p) for name, p in patterns.items()}
+    return {name: p.config() for name, p in patterns.items()}
 
 
 def save_config(model: nn.Module, directory: str | Path) -> Path:
@@ -187,7 +147,7 @@ def load_config(model: nn.Module, directory: str | Path) -> nn.Module:
     if any(routers):
         factory = lambda index: None if routers[index] is None else Router.from_config(routers[index])
     try:
-        patterns = [{name: pattern_from_dict(spec) for name, spec in entry.get("patterns", config["patterns"]).items()}
+        patterns = [{name: Pattern.from_config(spec) for name, spec in entry.get("patterns", config["patterns"]).items()}
                     for entry in config["layers"]]
         convert(model, patterns, [entry["modes"] for entry in config["layers"]], router=factory,
                 **config.get("options", {}))

@@ -1,7 +1,7 @@
 """Attention patterns: composable FlexAttention mask_mod / BlockMask generators over token positions, with dense
 references."""
 
-from flexsparse.masks.base import Intersection, MaskMod, Pattern, Union
+from flexsparse.masks.base import Intersection, MaskMod, Pattern, Union, pattern_class, registered_patterns
 from flexsparse.masks.block_table import BlockTable
 from flexsparse.masks.blocks import BlockMaskStack, block_density, block_mask_from_classes
 from flexsparse.masks.combine import PerHead, PerLayer, dispatch_mask_mod, gather_heads
@@ -34,4 +34,6 @@ __all__ = [
     "block_mask_from_classes",
     "dispatch_mask_mod",
     "gather_heads",
+    "pattern_class",
+    "registered_patterns",
 ]

@@ -10,6 +10,11 @@ A pattern decides which keys each query may attend, by token position (:mod:`fle
 4. ``attended(geo)``: how many keys each query attends, ``[B', H', Q]``;
 5. ``key_runs(geo, positions)``: the attended keys of given positions as runs, for the receptive-field verifier.
 
+Every pattern class with its own ``name`` registers itself under it (:func:`pattern_class`,
+:func:`registered_patterns`): text specs (:mod:`flexsparse.specs`) and saved configurations find it there.
+``pattern.config()`` describes a pattern as JSON data, ``Pattern.from_config`` rebuilds it; by default from the
+arguments its constructor was called with, so a new pattern needs no code for either.
+
 ``B'`` is 1 unless the geometry's positions differ per batch element, and ``H'`` is 1 for patterns that treat
 all heads alike; both broadcast. Every pattern is causal: a key at a later position is never attended.
 """
@@ -17,9 +22,13 @@ all heads alike; both broadcast. Every pattern is causal: a key at a later posit
 from __future__ import annotations
 
 import functools
+import inspect
+import numbers
 import operator
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -28,7 +37,63 @@ from torch.nn.attention.flex_attention import BlockMask
 from flexsparse.masks.blocks import block_mask_from_classes
 from flexsparse.masks.geometry import EMPTY, FULL, Geometry, classify
 
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+
+_REGISTRY: dict[str, type[Pattern]] = {}
+
+
+def registered_patterns() -> Mapping[str, type[Pattern]]:
+    """Every registered pattern class by its ``name`` (a read-only view that follows new registrations)."""
+    return MappingProxyType(_REGISTRY)
+
+
+def pattern_class(name: str) -> type[Pattern]:
+    """The pattern class registered under ``name``; a ValueError lists the known names."""
+    if not isinstance(name, str) or name not in _REGISTRY:
+        raise ValueError(f"unknown pattern type {name!r}; known: {sorted(_REGISTRY)}")
+    return _REGISTRY[name]
+
+
+def _register(cls: type[Pattern]) -> None:
+    """Register ``cls`` under its own ``name``. Defining the same class again (its module reloaded) replaces it;
+    another class with a taken name is a ValueError."""
+    name = cls.__dict__["name"]
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"{cls.__qualname__}.name must be an identifier (it is a spec and JSON name), got {name!r}")
+    taken = _REGISTRY.get(name)
+    if taken is not None and (taken.__module__, taken.__qualname__) != (cls.__module__, cls.__qualname__):
+        raise ValueError(f"pattern name {name!r} of {cls.__module__}.{cls.__qualname__} is taken by "
+                         f"{taken.__module__}.{taken.__qualname__}; give the class another name")
+    _REGISTRY[name] = cls
+
+
+def _to_json(value: Any, where: str) -> Any:
+    """A constructor argument as JSON data: patterns as their configs, tensors and tuples as lists."""
+    if isinstance(value, Pattern):
+        return value.config()
+    if isinstance(value, Tensor):
+        return value.tolist()
+    if isinstance(value, (list, tuple)):
+        return [_to_json(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    raise TypeError(f"cannot describe {where} ({type(value).__name__}) in JSON: override config() and from_config()")
+
+
+def _from_json(value: Any) -> Any:
+    """The inverse of :func:`_to_json` for what JSON can tell apart: dicts are pattern configs."""
+    if isinstance(value, dict):
+        return Pattern.from_config(value)
+    if isinstance(value, list):
+        return [_from_json(v) for v in value]
+    return value
 
 
 def runs_from_rows(rows: Tensor) -> tuple[Tensor, Tensor]:
@@ -70,11 +135,82 @@ def run_lengths(first: Tensor, last: Tensor) -> Tensor:
 
 
 class Pattern(ABC):
-    """An attention pattern. Subclasses implement the capabilities for a :class:`Geometry`."""
+    """An attention pattern. Subclasses implement the capabilities for a :class:`Geometry`.
 
-    name: str = "pattern"
+    A subclass that sets its own ``name`` (an identifier) is registered under it. Its constructor's arguments are
+    recorded at construction: :meth:`config` describes them as JSON data, :meth:`from_config` passes them back.
+    """
+
+    name: ClassVar[str] = ""
     is_full: bool = False
     """True for full causal attention (FA): such heads count as dense in MSR/ESR and may run on SDPA."""
+
+    __signature__: ClassVar[inspect.Signature]
+    _arguments: tuple[tuple[Any, ...], dict[str, Any]]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        init = cls.__init__
+        parameters = [] if init is object.__init__ else list(inspect.signature(init).parameters.values())[1:]
+        cls.__signature__ = inspect.Signature(parameters)  # the constructor's, also what inspect.signature(cls) says
+        if cls.__dict__.get("name"):
+            _register(cls)
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Self:
+        """Record the constructor's arguments for :meth:`config` (lists as tuples: later edits do not count);
+        they are matched to the parameters only there."""
+        pattern = super().__new__(cls)
+        snapshot = lambda value: tuple(value) if isinstance(value, list) else value
+        pattern._arguments = (tuple(map(snapshot, args)), {key: snapshot(v) for key, v in kwargs.items()})
+        return pattern
+
+    def config(self) -> dict[str, Any]:
+        """JSON data that :meth:`from_config` rebuilds this pattern from: ``{"type": name, argument: value, ...}``
+        with the constructor's arguments (defaults included; tensors and tuples as lists, patterns as configs).
+
+        A TypeError where that cannot describe it: a class not registered under its name (a subclass without its
+        own ``name``), or an argument JSON cannot carry.
+        """
+        kind = type(self)
+        if _REGISTRY.get(kind.name) is not kind:
+            raise TypeError(f"cannot describe {self!r} ({kind.__name__}) in JSON: only a class registered under its "
+                            f"own name can be (registered: {sorted(_REGISTRY)})")
+        args, kwargs = self._arguments
+        bound = kind.__signature__.bind(*args, **kwargs)
+        bound.apply_defaults()
+        described: dict[str, Any] = {"type": kind.name}
+        for key, value in bound.arguments.items():
+            described[key] = _to_json(value, f"{kind.__name__} argument {key!r}")
+        return described
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> Pattern:
+        """The pattern a :meth:`config` dict describes; on ``Pattern`` the class is looked up by ``config["type"]``.
+
+        Missing arguments take the constructor's defaults; unknown or missing required ones, and values the
+        constructor refuses, are a ValueError.
+        """
+        if not isinstance(config, Mapping) or "type" not in config:
+            raise ValueError(f"a pattern config is a dict with a 'type', got {config!r}")
+        kind = pattern_class(config["type"])
+        if kind is not cls:
+            if not issubclass(kind, cls):
+                raise ValueError(f"{cls.__name__}.from_config got a config of {kind.__name__} ({config['type']!r})")
+            return kind.from_config(config)
+        arguments = {key: _from_json(value) for key, value in config.items() if key != "type"}
+        parameters = cls.__signature__.parameters
+        unknown = sorted(set(arguments) - set(parameters))
+        if unknown:
+            raise ValueError(f"config of {cls.name!r} has unknown keys {unknown}; known: {list(parameters)}")
+        missing = [key for key, p in parameters.items() if p.default is p.empty and key not in arguments
+                   and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        if missing:
+            raise ValueError(f"config of {cls.name!r} lacks {missing}")
+        positional = [arguments.pop(key, ()) for key, p in parameters.items() if p.kind is p.VAR_POSITIONAL]
+        try:
+            return cls(*(positional[0] if positional else ()), **arguments)
+        except TypeError as err:  # a value of the wrong kind: the config is bad data
+            raise ValueError(f"bad arguments in the config {dict(config)!r}: {err}") from err
 
     def resolve(self, q: Tensor, k: Tensor, geo: Geometry | None = None) -> Pattern:
         """The static pattern for these queries/keys. Content-dependent patterns (XA) override this."""

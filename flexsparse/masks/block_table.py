@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -29,6 +32,13 @@ class BlockTable(Pattern):
         self.table = table
         self.table_block = as_int("table_block", table_block, minimum=1)
         self.q_start = as_int("q_start", q_start, minimum=0)
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> BlockTable:
+        """As :meth:`Pattern.from_config`; the table comes back from nested lists of bools."""
+        if isinstance(config, Mapping) and isinstance(config.get("table"), list):
+            config = {**config, "table": torch.tensor(config["table"])}
+        return super().from_config(config)
 
     def __repr__(self) -> str:
         start = f", q_start={self.q_start}" if self.q_start else ""

@@ -5,7 +5,8 @@ Each per-head selection is itself a :class:`Pattern`, so selections nest and kee
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -67,6 +68,14 @@ class PerHead(Pattern):
             raise ValueError(f"modes must index the {len(self.patterns)} patterns, got values {modes.unique().tolist()}")
         self.modes = modes.long()
         self.is_full = all(self.patterns[i].is_full for i in self.modes.unique().tolist())
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> PerHead:
+        """As :meth:`Pattern.from_config`; modes given per batch element and head (nested lists) become a tensor."""
+        modes = config.get("modes") if isinstance(config, Mapping) else None
+        if isinstance(modes, list) and modes and isinstance(modes[0], list):
+            config = {**config, "modes": torch.tensor(modes)}
+        return super().from_config(config)
 
     def __repr__(self) -> str:
         return f"PerHead({list(self.patterns)!r}, modes={self.modes.tolist()})"

@@ -15,7 +15,7 @@ These are model-free building blocks. Routers inside a converted transformers mo
 :mod:`flexsparse.integrations`.
 """
 
-from flexsparse.routers.base import Router, Routing
+from flexsparse.routers.base import Router, Routing, registered_routers, router_class
 from flexsparse.routers.constraint import (
     ROBUST_TARGET,
     SENSITIVE_TARGET,
@@ -79,10 +79,12 @@ __all__ = [
     "layer_entropy",
     "mix_full_sparse",
     "msr",
+    "registered_routers",
     "relaxed_decisions",
     "retrieval_scores",
     "retrieval_selection",
     "routed_attention",
+    "router_class",
     "schedule_from_dict",
     "select_modes",
 ]

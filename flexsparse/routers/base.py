@@ -17,8 +17,9 @@ likely.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, ClassVar
 
 import torch
@@ -97,6 +98,31 @@ class Routing:
         return torch.where(decision, self.sparse_mode, full)
 
 
+_REGISTRY: dict[str, type[Router]] = {}
+
+
+def registered_routers() -> Mapping[str, type[Router]]:
+    """Every registered router class by its ``kind`` (a read-only view that follows new registrations)."""
+    return MappingProxyType(_REGISTRY)
+
+
+def router_class(kind: str) -> type[Router]:
+    """The router class registered under ``kind``; a ValueError lists the known kinds."""
+    if not isinstance(kind, str) or kind not in _REGISTRY:
+        raise ValueError(f"unknown router kind {kind!r}; known: {sorted(_REGISTRY)}")
+    return _REGISTRY[kind]
+
+
+def _register(cls: type[Router]) -> None:
+    """Register ``cls`` under its own ``kind``; another class with a taken kind is a ValueError (the same class
+    defined again, its module reloaded, replaces it)."""
+    taken = _REGISTRY.get(cls.kind)
+    if taken is not None and (taken.__module__, taken.__qualname__) != (cls.__module__, cls.__qualname__):
+        raise ValueError(f"router kind {cls.kind!r} of {cls.__module__}.{cls.__qualname__} is taken by "
+                         f"{taken.__module__}.{taken.__qualname__}; give the class another kind")
+    _REGISTRY[cls.kind] = cls
+
+
 class Router(nn.Module):
     """Base class: pooled per-head states -> logits -> :class:`Routing`.
 
@@ -118,14 +144,15 @@ class Router(nn.Module):
     """
 
     kind: ClassVar[str] = ""
+    """The name configs and ``convert(..., router=kind)`` use; a subclass that sets its own is registered under it
+    (:func:`router_class`)."""
     average_heads: ClassVar[bool] = False
     """Whether the pooled heads are averaged into one MLP input per sequence (one decision for every head)."""
-    _registry: ClassVar[dict[str, type[Router]]] = {}
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        if cls.kind:
-            Router._registry[cls.kind] = cls
+        if cls.__dict__.get("kind"):
+            _register(cls)
 
     def __init__(self, head_dim: int, pool_size: int = DEFAULT_POOL_SIZE, *, full_mode: int = 0,
                  sparse_mode: int = 1, init_std: float = DEFAULT_INIT_STD, check_finite: bool = False) -> None:
@@ -271,10 +298,7 @@ class Router(nn.Module):
         """The router a :meth:`config` dict describes (freshly initialised)."""
         if not isinstance(config, dict):
             raise TypeError(f"config must be a dict, got {type(config).__name__}")
-        kind = config.get("kind")
-        if kind not in Router._registry:
-            raise ValueError(f"config kind must be one of {sorted(Router._registry)}, got {kind!r}")
-        cls = Router._registry[kind]
+        cls = router_class(config.get("kind"))
         fields = {k: v for k, v in config.items() if k != "kind"}
         known = set(inspect.signature(cls.__init__).parameters) - {"self"}
         unknown = sorted(set(fields) - known)
