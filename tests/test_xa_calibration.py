@@ -10,7 +10,7 @@ uncalibrated threshold does not; the calibrated eval method runs and measures a 
 import pytest
 import torch
 
-from tests.hf_util import VOCAB, tiny_model
+from tests.hf_util import VOCAB, one_thread, tiny_model  # noqa: F401  (autouse fixture)
 from tests.real_model import real_corpus, real_model, requires_model
 
 

@@ -167,7 +167,7 @@ class MassStats:
     density: float
 
 
-def _causal_blocks(q_len: int, kv_len: int, block_size: int, device: torch.device) -> Tensor:
+def causal_blocks(q_len: int, kv_len: int, block_size: int, device: torch.device) -> Tensor:
     """bool ``[QB, KB]``: key blocks holding a key at or before some query of the block (bottom-right)."""
     q_start = kv_len - q_len
     last = torch.clamp(q_start + (torch.arange(-(-q_len // block_size), device=device) + 1) * block_size,
@@ -287,7 +287,7 @@ def check_calibration(target: float, quantile: float, strides: Sequence[int], bl
 @torch.no_grad()
 def calibrate_xa(model: nn.Module, tokenizer, target: float = 0.9, quantile: float = 0.95, *,
                  corpus: Corpus | None = None, length: int = 8192, samples: int = 3,
-                 strides: Sequence[int] = (16, 8), block_size: int = 128, max_threshold: float = 0.999,
+                 strides: Sequence[int] = (16, 8, 4), block_size: int = 128, max_threshold: float = 0.999,
                  batch_size: int | None = None, progress: bool = False) -> XACalibration:
     """Calibrate XAttention's thresholds on ``model`` so that it keeps ``target`` of the true attention mass on
     ``quantile`` of the query rows of every (layer, query head).
@@ -325,7 +325,7 @@ def calibrate_xa(model: nn.Module, tokenizer, target: float = 0.9, quantile: flo
     with capture_qk(model, record):
         for ids in batches:
             model(input_ids=ids.to(device), use_cache=False)
-    causal = _causal_blocks(length, length, block_size, device)
+    causal = causal_blocks(length, length, block_size, device)
     thresholds, chosen, before, after = [], [], [], []
     for layer in layers:
         true = torch.cat(layer.true)
