@@ -68,8 +68,9 @@ def held_out_stats(model, windows, patterns_by_name, target, quantile, block_siz
 
 
 def layer_table(cal, calibration, held_out) -> str:
-    lines = ["| layer | stride | thresholds | calib p5 0.9 -> cal | held-out p5 0.9 -> cal | held-out rows >= target "
-             "0.9 -> cal | worst head -> cal | density 0.9 -> cal |", "|" + "---|" * 8]
+    header = ("| layer | stride | thresholds | calib p5 0.9 -> cal | held-out p5 0.9 -> cal | held-out rows >= "
+              "target 0.9 -> cal | worst head -> cal | density 0.9 -> cal |")
+    lines = [header, "|" + "---|" * 8]
     for i, stride in enumerate(cal.strides):
         t = cal.thresholds[i]
         b, a = held_out["xa 0.9"][i], held_out["calibrated"][i]

@@ -118,12 +118,12 @@ def test_calibration_on_a_tiny_model_covers_every_head_and_leaves_it_unconverted
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(target=0.0), "target"), (dict(quantile=1.5), "quantile"), (dict(strides=16), "strides"),
-    (dict(strides=(16, 12)), "strides"), (dict(block_size=8), "block_size")])
+    ({"target": 0.0}, "target"), ({"quantile": 1.5}, "quantile"), ({"strides": 16}, "strides"),
+    ({"strides": (16, 12)}, "strides"), ({"block_size": 8}, "block_size")])
 def test_calibration_settings_are_checked(kwargs, message):
     from flexsparse.integrations.xa_calibration import check_calibration
 
-    settings = dict(target=0.9, quantile=0.95, strides=(16, 8), block_size=128) | kwargs
+    settings = {"target": 0.9, "quantile": 0.95, "strides": (16, 8), "block_size": 128} | kwargs
     with pytest.raises((ValueError, TypeError), match=message):
         check_calibration(**settings)
 
@@ -162,7 +162,7 @@ def test_calibrated_xa_method_runs_in_the_evaluation():
 
     method = parse_method("xa:calibrated=1,stride=16,block_size=64")
     assert isinstance(method, CalibratedXAMethod) and method.strides == (16, 8, 4)
-    records = evaluate(real_model(), [parse_method("full"), method], ["perplexity"], [512], 2,
+    records = evaluate(real_model(), [parse_method("full"), method], ["perplexity"], [512], 1,
                        calibration_length=512, calibration_samples=1)
     full, xa = records
     assert xa.method == "xa:calibrated=1,stride=16,block_size=64" and 0.0 < xa.density < 1.0

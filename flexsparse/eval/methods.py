@@ -34,8 +34,8 @@ from flexsparse.eval.text import Corpus
 from flexsparse.integrations import convert, load_config
 from flexsparse.integrations.calibration import SELECTORS, GateOptions, calibration_scores, select
 from flexsparse.integrations.layer import sparse_layers
-from flexsparse.integrations.xa_calibration import calibrate_xa, check_calibration
 from flexsparse.integrations.transformers import attention_layers, layer_heads
+from flexsparse.integrations.xa_calibration import calibrate_xa, check_calibration
 from flexsparse.masks import ESA, Causal, Pattern, SinkWindow, TriangleMix, XAttention
 from flexsparse.specs import split_spec
 

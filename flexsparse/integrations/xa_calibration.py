@@ -93,7 +93,7 @@ def kept_fraction(block_mass: Tensor, table: Tensor, block_size: int) -> Tensor:
     B, H) whose row r holds query rows ``r * block_size .. (r + 1) * block_size - 1`` (XAttention's tables:
     query blocks from query row 0, key blocks from key 0).
     """
-    batch, heads, q_len, kv_blocks = block_mass.shape
+    q_len, kv_blocks = block_mass.shape[2:]
     q_blocks = -(-q_len // block_size)
     if table.dtype != torch.bool or table.dim() != 4 or tuple(table.shape[2:]) != (q_blocks, kv_blocks):
         raise ValueError(f"table must be bool [B, H, {q_blocks}, {kv_blocks}] for block_mass "
@@ -331,13 +331,12 @@ def calibrate_xa(model: nn.Module, tokenizer, target: float = 0.9, quantile: flo
         true = torch.cat(layer.true)
         estimates = {s: torch.cat(parts) for s, parts in layer.estimates.items()}
         del layer.true, layer.estimates
-        tables = lambda s, t: select_blocks(estimates[s], t, q_len=length, kv_len=length, block_size=block_size)
-        first = tables(strides[0], target)
+        first = select_blocks(estimates[strides[0]], target, q_len=length, kv_len=length, block_size=block_size)
         before.append(mass_stats(kept_fraction(true, first, block_size), first, causal, target, quantile))
         best = None
         for stride in strides:
             found = calibrate_thresholds(true, estimates[stride], block_size, target, quantile, max_threshold)
-            table = tables(stride, found)
+            table = select_blocks(estimates[stride], found, q_len=length, kv_len=length, block_size=block_size)
             kept_blocks = int((table & causal).sum())
             if best is None or kept_blocks < best[0]:
                 best = (kept_blocks, stride, found, table)
