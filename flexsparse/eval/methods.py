@@ -155,7 +155,8 @@ class CalibratedXAMethod(Method):
                 length=setup.calibration_length, samples=setup.calibration_samples, strides=self.strides,
                 block_size=self.block_size, progress=setup.progress)
         layers, _, kv_heads = setup.shape()
-        setup.convert([{"xa": pattern} for pattern in setup.scores[key].patterns()], [["xa"] * kv_heads] * layers)
+        patterns = [{"xa": pattern} for pattern in setup.scores[key].patterns()]
+        setup.convert(patterns, [["xa"] * kv_heads] * layers)
 
 
 @dataclass
@@ -179,7 +180,8 @@ class ConfigMethod(Method):
 
 _OPTIONS = {
     "full": set(), "ssa": {"sink", "window"}, "index": {"full", "sink", "window"},
-    "xa": {"threshold", "stride", "block_size", "calibrated", "quantile"}, "triangle": {"sink", "window", "last_q"}, "esa": {"attn_length"},
+    "xa": {"threshold", "stride", "block_size", "calibrated", "quantile"},
+    "triangle": {"sink", "window", "last_q"}, "esa": {"attn_length"},
     **{name: {"budget", "global", "sink", "window"} for name in SELECTORS},
 }
 

@@ -4,17 +4,18 @@ XAttention keeps, per query block, key blocks until ``threshold`` of its *estima
 estimate can be far off: on SmolLM2-135M at 8K tokens a threshold of 0.9 keeps only 0.70-0.72 of the exact
 softmax mass per query in some layers. This module measures the true kept mass and calibrates the thresholds:
 
-* :func:`true_block_mass`: the exact softmax mass of each query in each key block ``[B, H, S_q, KB]``, computed
-  per KV head and chunk of queries (no ``[H, S, S]`` float32 tensor at once);
-* :func:`kept_fraction` / :func:`kept_mass`: per query, the share of its mass inside a block table's kept blocks;
+* :func:`true_block_mass`: the exact softmax mass of each query in each key block ``[B, H, S_q, KB]``,
+  computed per KV head and chunk of queries (no ``[H, S, S]`` float32 tensor at once);
+* :func:`kept_fraction` / :func:`kept_mass`: per query, the share of its mass inside a block table's kept
+  blocks;
 * :func:`capture_qk`: runs a transformers model with a registered attention function that hands each layer's
   query (after RoPE), keys and scaling to a callback, then runs the model's own SDPA attention;
 * :func:`calibrate_xa`: per (layer, query head), the lowest estimator threshold whose selection keeps at least
-  ``target`` of the true mass on at least ``quantile`` of the query rows of the calibration windows (bisection;
-  thresholds up to ``max_threshold``, 1.0 = every causal block where that is not enough), per layer at the
-  antidiagonal stride (of ``strides``) that needs the fewest blocks. The result converts a model with one
-  :class:`~flexsparse.masks.XAttention` per layer (per-head thresholds) and reports the true-mass statistics of
-  the uncalibrated and the calibrated selection per layer.
+  ``target`` of the true mass on at least ``quantile`` of the query rows of the calibration windows
+  (bisection; thresholds up to ``max_threshold``, 1.0 = every causal block where that is not enough), per
+  layer at the antidiagonal stride (of ``strides``) that needs the fewest blocks. The result converts a model
+  with one :class:`~flexsparse.masks.XAttention` per layer (per-head thresholds) and reports the true-mass
+  statistics of the uncalibrated and the calibrated selection per layer.
 
 Calibration text is the calibration part of a :class:`~flexsparse.eval.text.Corpus`, never the evaluated part.
 """
@@ -49,8 +50,8 @@ def true_block_mass(q: Tensor, k: Tensor, block_size: int, scale: float | None =
                     q_start: int | None = None) -> Tensor:
     """Exact causal softmax mass of each query in each key block, float32 ``[B, H_q, S_q, KB]``.
 
-    q ``[B, H_q, S_q, d]``, k ``[B, H_kv, S_kv, d]`` (H_kv divides H_q; query head h reads key head
-    ``h // (H_q / H_kv)``); query row i sits at position ``q_start + i`` (default ``S_kv - S_q``) and sees the keys
+    q ``[B, H_q, S_q, d]``, k ``[B, H_kv, S_kv, d]`` (H_kv divides H_q; query head h reads key head ``h //
+    (H_q / H_kv)``); query row i sits at position ``q_start + i`` (default ``S_kv - S_q``) and sees the keys
     at positions <= it; ``KB = ceil(S_kv / block_size)``; ``scale`` default ``d ** -0.5``. Each row sums to 1.
     Computed in float32, per KV head and chunk of queries (about 256 MiB of scores at a time).
     """
@@ -59,8 +60,8 @@ def true_block_mass(q: Tensor, k: Tensor, block_size: int, scale: float | None =
     batch, heads, q_len, dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     if k.shape[0] != batch or k.shape[3] != dim or heads % kv_heads:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)}: batch and head_dim must match and the KV "
-                         "heads must divide the query heads")
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)}: batch and head_dim must match and the "
+                         "KV heads must divide the query heads")
     block_size = as_int("block_size", block_size, minimum=1)
     q_start = kv_len - q_len if q_start is None else as_int("q_start", q_start, minimum=0)
     if q_start + q_len > kv_len:
@@ -82,16 +83,17 @@ def true_block_mass(q: Tensor, k: Tensor, block_size: int, scale: float | None =
             probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1)
             blocks = -(-seen // block_size)
             probs = F.pad(probs, (0, blocks * block_size - seen))
-            out[:, h * group:(h + 1) * group, first:last, :blocks] = probs.unflatten(-1, (blocks, block_size)).sum(-1)
+            sums = probs.unflatten(-1, (blocks, block_size)).sum(-1)
+            out[:, h * group:(h + 1) * group, first:last, :blocks] = sums
     return out
 
 
 def kept_fraction(block_mass: Tensor, table: Tensor, block_size: int) -> Tensor:
     """Per query, the share of its mass in the kept blocks, float32 ``[B, H, S_q]``.
 
-    ``block_mass`` ``[B, H, S_q, KB]`` (:func:`true_block_mass`); ``table`` bool ``[B', H', QB, KB]`` (B', H' 1 or
-    B, H) whose row r holds query rows ``r * block_size .. (r + 1) * block_size - 1`` (XAttention's tables:
-    query blocks from query row 0, key blocks from key 0).
+    ``block_mass`` ``[B, H, S_q, KB]`` (:func:`true_block_mass`); ``table`` bool ``[B', H', QB, KB]`` (B', H'
+    1 or B, H) whose row r holds query rows ``r * block_size .. (r + 1) * block_size - 1`` (XAttention's
+    tables: query blocks from query row 0, key blocks from key 0).
     """
     q_len, kv_blocks = block_mass.shape[2:]
     q_blocks = -(-q_len // block_size)
@@ -105,8 +107,8 @@ def kept_fraction(block_mass: Tensor, table: Tensor, block_size: int) -> Tensor:
 
 
 def kept_mass(q: Tensor, k: Tensor, table: Tensor, block_size: int, scale: float | None = None) -> Tensor:
-    """Per query, the share of its exact softmax mass inside ``table``'s kept blocks, float32 ``[B, H_q, S_q]``
-    (queries bottom-right aligned against the keys, as :meth:`XAttention.select` gives its tables)."""
+    """Per query, the share of its exact softmax mass inside ``table``'s kept blocks, float32 ``[B, H_q,
+    S_q]`` (queries bottom-right aligned against the keys, as :meth:`XAttention.select` gives its tables)."""
     return kept_fraction(true_block_mass(q, k, block_size, scale), table, block_size)
 
 
@@ -122,9 +124,9 @@ def _capture_attention(module: nn.Module, query: Tensor, key: Tensor, value: Ten
 
 @contextlib.contextmanager
 def capture_qk(model: nn.Module, record: Callable[[int, Tensor, Tensor, float], None]) -> Iterator[None]:
-    """Meanwhile every forward of ``model`` calls ``record(layer, q, k, scaling)`` in each attention layer, with
-    q ``[B, H_q, S, d]`` after RoPE, k ``[B, H_kv, S, d]`` and the layer's softmax scaling; the model's outputs
-    are unchanged (its own SDPA attention). Restores the attention implementation afterwards."""
+    """Meanwhile every forward of ``model`` calls ``record(layer, q, k, scaling)`` in each attention layer,
+    with q ``[B, H_q, S, d]`` after RoPE, k ``[B, H_kv, S, d]`` and the layer's softmax scaling; the model's
+    outputs are unchanged (its own SDPA attention). Restores the attention implementation afterwards."""
     if is_converted(model):
         raise ValueError("capture q/k of an unconverted model (flexsparse.revert(model) first)")
     AttentionInterface.register(CAPTURE_NAME, _capture_attention)
@@ -142,8 +144,8 @@ def capture_qk(model: nn.Module, record: Callable[[int, Tensor, Tensor, float], 
     try:
         model.set_attn_implementation(CAPTURE_NAME)
         if model.config._attn_implementation != CAPTURE_NAME:
-            raise ValueError(f"{type(model).__name__} refused set_attn_implementation({CAPTURE_NAME!r}); capturing "
-                             "needs a model whose attention goes through transformers' registry")
+            raise ValueError(f"{type(model).__name__} refused set_attn_implementation({CAPTURE_NAME!r}); "
+                             "capturing needs a model whose attention goes through transformers' registry")
         yield
     finally:
         model.set_attn_implementation(previous)
@@ -157,8 +159,9 @@ def capture_qk(model: nn.Module, record: Callable[[int, Tensor, Tensor, float], 
 @dataclass(frozen=True)
 class MassStats:
     """One layer's selection, over every (window, query head, query) row: ``low``, the ``1 - quantile``
-    quantile of the true kept mass; ``covered``, the share of rows keeping at least ``target``; ``worst_head``,
-    the lowest per-head share; ``mean`` kept mass; ``density``, the share of causal blocks kept."""
+    quantile of the true kept mass; ``covered``, the share of rows keeping at least ``target``;
+    ``worst_head``, the lowest per-head share; ``mean`` kept mass; ``density``, the share of causal blocks
+    kept."""
 
     low: float
     covered: float
@@ -176,32 +179,34 @@ def causal_blocks(q_len: int, kv_len: int, block_size: int, device: torch.device
 
 
 def mass_stats(kept: Tensor, table: Tensor, causal: Tensor, target: float, quantile: float) -> MassStats:
-    """:class:`MassStats` of kept shares ``[B, H, S]`` and the table ``[B, H, QB, KB]`` they come from, with the
-    causal blocks ``[QB, KB]``."""
+    """:class:`MassStats` of kept shares ``[B, H, S]`` and the table ``[B, H, QB, KB]`` they come from, with
+    the causal blocks ``[QB, KB]``."""
     rows = kept.transpose(0, 1).reshape(kept.shape[1], -1)  # [H, B * S]
     flat = rows.flatten()
     rank = max(1, int((1.0 - quantile) * flat.numel() + 0.5))
     low = flat.kthvalue(min(rank, flat.numel())).values
     per_head = (rows >= target).float().mean(-1)
     density = (table & causal).float().sum() / (causal.float().sum() * table.shape[0] * table.shape[1])
-    return MassStats(float(low), float((flat >= target).float().mean()), float(per_head.min()), float(flat.mean()),
-                     float(density))
+    covered = (flat >= target).float().mean()
+    return MassStats(float(low), float(covered), float(per_head.min()), float(flat.mean()), float(density))
 
 
-def _covered(block_mass: Tensor, table: Tensor, block_size: int, target: float) -> Tensor:
-    """Per head, the share of query rows keeping at least ``target`` of their mass ``[H]``."""
+def covered_share(block_mass: Tensor, table: Tensor, block_size: int, target: float) -> Tensor:
+    """Per head of a table ``[B, H, QB, KB]`` and true block masses ``[B, H, S, KB]``, the share of query rows
+    keeping at least ``target`` of their mass ``[H]``."""
     return (kept_fraction(block_mass, table, block_size) >= target).float().mean((0, 2))
 
 
-def calibrate_thresholds(block_mass: Tensor, estimate: Tensor, block_size: int, target: float, quantile: float,
-                         max_threshold: float = 0.999, steps: int = 14) -> Tensor:
-    """Per query head, the lowest threshold (in (0, ``max_threshold``], else 1.0) whose selection on the estimated
-    masses ``estimate`` ``[B, H, QB, KB]`` keeps at least ``target`` of the true mass (``block_mass``
-    ``[B, H, S, KB]``, a prefill: queries and keys alike) on at least ``quantile`` of the rows; float32 ``[H]``, to ``max_threshold / 2**steps``.
+def calibrate_thresholds(block_mass: Tensor, estimate: Tensor, block_size: int, target: float,
+                         quantile: float, max_threshold: float = 0.999, steps: int = 14) -> Tensor:
+    """Per query head, the lowest threshold (in (0, ``max_threshold``], else 1.0) whose selection on the
+    estimated masses ``estimate`` ``[B, H, QB, KB]`` keeps at least ``target`` of the true mass
+    (``block_mass`` ``[B, H, S, KB]``, a prefill: queries and keys alike) on at least ``quantile`` of the
+    rows; float32 ``[H]``, to ``max_threshold / 2**steps``.
     The kept set of XAttention's rules grows with the threshold, so the share covered does too: bisection."""
     heads, length = estimate.shape[1], block_mass.shape[2]
     select = lambda t: select_blocks(estimate, t, q_len=length, kv_len=length, block_size=block_size)
-    ok = lambda t: _covered(block_mass, select(t), block_size, target) >= quantile
+    ok = lambda t: covered_share(block_mass, select(t), block_size, target) >= quantile
     hi = torch.full((heads,), float(max_threshold), device=estimate.device)
     reachable = ok(hi)
     lo = torch.zeros_like(hi)
@@ -215,9 +220,9 @@ def calibrate_thresholds(block_mass: Tensor, estimate: Tensor, block_size: int, 
 @dataclass
 class XACalibration:
     """Calibrated XAttention: ``thresholds`` ``[L, H_q]`` and ``strides`` (one per layer) of XAttention at
-    ``block_size``; ``before`` / ``after``: per layer, :class:`MassStats` of XAttention at ``threshold=target``
-    and stride ``strides_tried[0]`` / of the calibrated selection, on the calibration windows (``windows`` of
-    ``length`` tokens)."""
+    ``block_size``; ``before`` / ``after``: per layer, :class:`MassStats` of XAttention at
+    ``threshold=target`` and stride ``strides_tried[0]`` / of the calibrated selection, on the calibration
+    windows (``windows`` of ``length`` tokens)."""
 
     thresholds: Tensor
     strides: list[int]
@@ -261,13 +266,14 @@ class _LayerInputs:
         self.true.append(true_block_mass(q, k, block_size, scaling))
         compiled = q.device.type == "cuda"  # as XAttention estimates on this device
         for stride in strides:
-            self.estimates.setdefault(stride, []).append(antidiagonal_block_mass(q, k, stride, block_size, compiled))
+            estimate = antidiagonal_block_mass(q, k, stride, block_size, compiled)
+            self.estimates.setdefault(stride, []).append(estimate)
 
 
 def check_calibration(target: float, quantile: float, strides: Sequence[int], block_size: int,
                       max_threshold: float = 0.999) -> tuple:
-    """The settings of :func:`calibrate_xa`, checked (ValueError/TypeError naming the argument) and normalised:
-    ``(target, quantile, strides, block_size, max_threshold)``."""
+    """The settings of :func:`calibrate_xa`, checked (ValueError/TypeError naming the argument) and
+    normalised: ``(target, quantile, strides, block_size, max_threshold)``."""
     target = as_float("target", target, minimum=0.0, maximum=1.0)
     quantile = as_float("quantile", quantile, minimum=0.0, maximum=1.0)
     max_threshold = as_float("max_threshold", max_threshold, minimum=0.0, maximum=1.0)
@@ -289,8 +295,8 @@ def calibrate_xa(model: nn.Module, tokenizer, target: float = 0.9, quantile: flo
                  corpus: Corpus | None = None, length: int = 8192, samples: int = 3,
                  strides: Sequence[int] = (16, 8, 4), block_size: int = 128, max_threshold: float = 0.999,
                  batch_size: int | None = None, progress: bool = False) -> XACalibration:
-    """Calibrate XAttention's thresholds on ``model`` so that it keeps ``target`` of the true attention mass on
-    ``quantile`` of the query rows of every (layer, query head).
+    """Calibrate XAttention's thresholds on ``model`` so that it keeps ``target`` of the true attention mass
+    on ``quantile`` of the query rows of every (layer, query head).
 
     Args:
         model: a transformers causal LM, not converted.
@@ -306,8 +312,8 @@ def calibrate_xa(model: nn.Module, tokenizer, target: float = 0.9, quantile: flo
         batch_size: windows per forward (default: all of them on CUDA, 1 on CPU).
     Returns an :class:`XACalibration` (patterns, ``convert``, per-layer statistics before and after).
     """
-    target, quantile, strides, block_size, max_threshold = check_calibration(target, quantile, strides, block_size,
-                                                                            max_threshold)
+    settings = check_calibration(target, quantile, strides, block_size, max_threshold)
+    target, quantile, strides, block_size, max_threshold = settings
     length = as_int("length", length, minimum=block_size)
     samples = as_int("samples", samples, minimum=1)
     corpus = Corpus.from_text(tokenizer) if corpus is None else corpus
@@ -331,12 +337,17 @@ def calibrate_xa(model: nn.Module, tokenizer, target: float = 0.9, quantile: flo
         true = torch.cat(layer.true)
         estimates = {s: torch.cat(parts) for s, parts in layer.estimates.items()}
         del layer.true, layer.estimates
-        first = select_blocks(estimates[strides[0]], target, q_len=length, kv_len=length, block_size=block_size)
+
+        def select(stride: int, threshold: Tensor | float, estimates=estimates) -> Tensor:
+            return select_blocks(estimates[stride], threshold, q_len=length, kv_len=length,
+                                 block_size=block_size)
+
+        first = select(strides[0], target)
         before.append(mass_stats(kept_fraction(true, first, block_size), first, causal, target, quantile))
         best = None
         for stride in strides:
             found = calibrate_thresholds(true, estimates[stride], block_size, target, quantile, max_threshold)
-            table = select_blocks(estimates[stride], found, q_len=length, kv_len=length, block_size=block_size)
+            table = select(stride, found)
             kept_blocks = int((table & causal).sum())
             if best is None or kept_blocks < best[0]:
                 best = (kept_blocks, stride, found, table)
