@@ -4,7 +4,11 @@
 ``full``        the model's own attention (SDPA), unconverted: the reference
 ``ssa``         every KV head sink + window (``sink=64,window=256``)
 ``index``       the first ``full=1`` KV heads of every layer full, the others sink + window
-``xa``          XAttention on every head (``threshold=0.9,stride=16,block_size=128``)
+``xa``          XAttention on every head (``threshold=0.9,stride=16,block_size=128``); ``calibrated=1``:
+                per-(layer, head) thresholds calibrated so that XA keeps ``threshold`` of the *true* attention
+                mass on ``quantile=0.95`` of the query rows, trying strides ``stride``, ``stride/2``,
+                ``stride/4`` per layer (:mod:`flexsparse.integrations.xa_calibration`), on the calibration
+                windows (``calibration_length`` tokens; once per run and setting)
 ``triangle``    TriangleMix on every head (``sink=64,window=256,last_q=128``)
 ``esa``         ESA on every head (``attn_length=256``); a model not trained with ESA loses its quality
 ``hsa``         calibrated selectors (:mod:`flexsparse.integrations.calibration`): ``budget=0.3333`` of the
@@ -31,6 +35,7 @@ from flexsparse.integrations import convert, load_config
 from flexsparse.integrations.calibration import SELECTORS, GateOptions, calibration_scores, select
 from flexsparse.integrations.layer import sparse_layers
 from flexsparse.integrations.transformers import attention_layers, layer_heads
+from flexsparse.integrations.xa_calibration import calibrate_xa, check_calibration
 from flexsparse.masks import ESA, Causal, Pattern, SinkWindow, TriangleMix, XAttention
 from flexsparse.specs import split_spec
 
@@ -131,6 +136,30 @@ class SelectedMethod(Method):
 
 
 @dataclass
+class CalibratedXAMethod(Method):
+    """XAttention on every head with thresholds calibrated to keep ``target`` of the true attention mass on
+    ``quantile`` of the query rows (:func:`~flexsparse.integrations.xa_calibration.calibrate_xa`), at the
+    antidiagonal stride of ``strides`` that keeps the fewest blocks per layer."""
+
+    name: str
+    target: float = 0.9
+    quantile: float = 0.95
+    strides: tuple[int, ...] = (16, 8, 4)
+    block_size: int = 128
+
+    def apply(self, setup: Setup) -> None:
+        key = ("xa", self.target, self.quantile, self.strides, self.block_size, setup.calibration_length)
+        if key not in setup.scores:
+            setup.scores[key] = calibrate_xa(
+                setup.model, setup.tokenizer, self.target, self.quantile, corpus=setup.corpus,
+                length=setup.calibration_length, samples=setup.calibration_samples, strides=self.strides,
+                block_size=self.block_size, progress=setup.progress)
+        layers, _, kv_heads = setup.shape()
+        patterns = [{"xa": pattern} for pattern in setup.scores[key].patterns()]
+        setup.convert(patterns, [["xa"] * kv_heads] * layers)
+
+
+@dataclass
 class ConfigMethod(Method):
     """A saved configuration (:func:`flexsparse.save_config`), run on ``setup.backend``."""
 
@@ -151,7 +180,8 @@ class ConfigMethod(Method):
 
 _OPTIONS = {
     "full": set(), "ssa": {"sink", "window"}, "index": {"full", "sink", "window"},
-    "xa": {"threshold", "stride", "block_size"}, "triangle": {"sink", "window", "last_q"}, "esa": {"attn_length"},
+    "xa": {"threshold", "stride", "block_size", "calibrated", "quantile"},
+    "triangle": {"sink", "window", "last_q"}, "esa": {"attn_length"},
     **{name: {"budget", "global", "sink", "window"} for name in SELECTORS},
 }
 
@@ -171,7 +201,15 @@ def parse_method(spec: str) -> Method:
         if name in ("ssa", "index"):
             full = int(options.get("full", 1)) if name == "index" else 0
             return StaticMethod(spec, lambda *_: window, full_heads=full)
+        if name == "xa" and int(options.get("calibrated", 0)):
+            stride, block_size = int(options.get("stride", 16)), int(options.get("block_size", 128))
+            strides = tuple(s for s in (stride, stride // 2, stride // 4) if s >= 1 and block_size % s == 0)
+            target, quantile = float(options.get("threshold", 0.9)), float(options.get("quantile", 0.95))
+            check_calibration(target, quantile, strides, block_size)
+            return CalibratedXAMethod(spec, target, quantile, strides, block_size)
         if name == "xa":
+            if "quantile" in options:
+                raise ValueError("quantile is an option of calibrated XA (calibrated=1)")
             xa = XAttention(threshold=float(options.get("threshold", 0.9)), stride=int(options.get("stride", 16)),
                             block_size=int(options.get("block_size", 128)))
             return StaticMethod(spec, lambda *_: xa)
