@@ -15,10 +15,6 @@ Selectors (higher score = keep full):
   logit) mixing its full and sparse attention outputs, ``out = g full + (1 - g) sparse``; the gates are optimised
   (the model frozen) to keep the last hidden states of the full model on real text and passkey prompts, with an
   L1 penalty pulling every gate to 0, so only the heads whose long-range attention matters keep large gates.
-* ``greedy``: the loss the model itself measures. Starting from every head full, rounds of forwards each make one
-  more head sparse and measure the language-model loss on real text plus the answer loss of passkey prompts; each
-  round turns sparse the heads that cost least, until none is left. A head's score is its place in that order
-  (heads turned sparse last score highest), so any budget keeps the heads the greedy search kept longest.
 
 q/k/v are captured through transformers' attention registry: during calibration the model runs a registered
 attention function that records each layer's query (after RoPE), keys and values and then runs the model's own
@@ -47,7 +43,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
 from flexsparse.attention import HybridAttention
-from flexsparse.eval.tasks import Prompt, passkey_prompt
+from flexsparse.eval.tasks import passkey_prompt
 from flexsparse.eval.text import Corpus
 from flexsparse.integrations.serialization import save_config
 from flexsparse.integrations.transformers import attention_layers, convert, is_converted, layer_heads, revert
@@ -61,7 +57,7 @@ from flexsparse.routers.selection import (
 )
 from flexsparse.validation import as_float, as_int
 
-SELECTORS = ("hsa", "retrieval", "entropy", "gates", "greedy")
+SELECTORS = ("hsa", "retrieval", "entropy", "gates")
 CAPTURE_NAME = "flexsparse_capture"
 GATES_NAME = "flexsparse_gates"
 SCORES_FILE = "calibration.json"
@@ -308,77 +304,6 @@ def gate_scores(model: nn.Module, inputs: CalibrationInputs, sparse: Pattern, *,
     return torch.sigmoid(logits.detach()).cpu()
 
 
-@dataclass(frozen=True)
-class GreedyOptions:
-    """Greedy selection: ``rounds`` rounds (each turns sparse an equal share of the heads still full);
-    ``needle_weight`` weighs the passkey answers' loss against the text's; passkey prompts of ``needle_length``
-    tokens (within the model's retrieval range)."""
-
-    rounds: int = 6
-    needle_weight: float = 1.0
-    needle_length: int = 2048
-
-
-def _answer_prompts(corpus: Corpus, tokenizer, length: int, samples: int, seed: int) -> list[Prompt]:
-    rng = random.Random(f"greedy/{length}/{seed}")
-    return [passkey_prompt(corpus, tokenizer, length, rng, 0.1 + 0.8 * i / max(samples - 1, 1), "calibration")
-            for i in range(samples)]
-
-
-@torch.no_grad()
-def greedy_scores(model: nn.Module, texts: CalibrationInputs, prompts: list[Prompt], sparse: Pattern, *,
-                  options: GreedyOptions = GreedyOptions(), batch_size: int = 1, progress: bool = False) -> Tensor:
-    """The greedy removal order as scores ``[L, H_kv]`` (see the module docstring): the ``L x H_kv - n`` th head
-    turned sparse scores ``n``. Loss = mean token NLL of ``texts`` + ``needle_weight`` x mean answer NLL of
-    ``prompts``; every candidate is measured with the model's gated attention at gates 0 / 1."""
-    rounds = as_int("rounds", options.rounds, minimum=1)
-    weight = as_float("needle_weight", options.needle_weight, minimum=0.0)
-    device = next(model.parameters()).device
-    layers = attention_layers(model)
-    kv_heads = layer_heads(layers[0][1])[1]
-    text_batches = [ids.to(device) for ids, _ in texts.batches(batch_size)]
-    answer = [torch.tensor(p.ids, device=device)[None] for p in prompts]
-    answer_len = [p.answer_len for p in prompts]
-    gates = torch.full((len(layers), kv_heads), float("inf"), device=device)
-
-    def loss() -> float:
-        total = sum(float(model(input_ids=ids, labels=ids, use_cache=False).loss) * len(ids)
-                    for ids in text_batches) / len(texts.ids)
-        if prompts and weight:
-            needle = 0.0
-            for ids, n in zip(answer, answer_len):
-                logits = model(input_ids=ids, use_cache=False, logits_to_keep=n + 1).logits[0, :-1].float()
-                needle += float(torch.nn.functional.cross_entropy(logits, ids[0, -n:]))
-            total += weight * needle / len(prompts)
-        return total
-
-    full = [(layer, head) for layer in range(len(layers)) for head in range(kv_heads)]
-    heads, order = len(full), []
-    max_len = max([texts.ids.shape[1]] + [len(p.ids) for p in prompts])
-    evaluations = sum(heads - heads * r // rounds for r in range(rounds))
-    bar = _progress(range(evaluations), evaluations, "greedy", progress)
-    ticks = iter(bar)
-    with gated(model, gates, sparse, max(8192, max_len)):
-        for round_index in range(rounds):
-            share = heads * (round_index + 1) // rounds - len(order)
-            costs = []
-            for layer, head in full:
-                gates[layer, head] = float("-inf")
-                costs.append(loss())
-                gates[layer, head] = float("inf")
-                next(ticks, None)
-            cheapest = sorted(range(len(full)), key=costs.__getitem__)[:share]
-            chosen = [full[i] for i in cheapest]
-            for layer, head in chosen:
-                gates[layer, head] = float("-inf")
-            order += chosen
-            full = [h for h in full if h not in chosen]
-    scores = torch.empty(len(layers), kv_heads)
-    for rank, (layer, head) in enumerate(order):
-        scores[layer, head] = float(rank)
-    return scores
-
-
 # ----- selection and the result -----------------------------------------------------------------------------
 
 def select(scores: Tensor, budget: float, *, per_layer: bool = True, layer_scores: bool = False,
@@ -445,8 +370,8 @@ class Calibration:
 
 def calibration_scores(model: nn.Module, tokenizer, method: str, *, sparse: Pattern = DEFAULT_SPARSE,
                        corpus: Corpus | None = None, length: int = 2048, samples: int = 8,
-                       batch_size: int | None = None, gates: GateOptions = GateOptions(),
-                       greedy: GreedyOptions = GreedyOptions(), seed: int = 0, progress: bool = False) -> Tensor:
+                       batch_size: int | None = None, gates: GateOptions = GateOptions(), seed: int = 0,
+                       progress: bool = False) -> Tensor:
     """A selector's scores ``[L, H_kv]`` on the calibration part of ``corpus`` (default: the pydoc topics)."""
     if method not in SELECTORS:
         raise ValueError(f"method must be one of {SELECTORS}, got {method!r}")
@@ -471,11 +396,6 @@ def calibration_scores(model: nn.Module, tokenizer, method: str, *, sparse: Patt
                                progress=progress)
         kv_heads = layer_heads(attention_layers(model)[0][1])[1]
         return layer[:, None].expand(-1, kv_heads).contiguous()
-    if method == "greedy":
-        prompts = _answer_prompts(corpus, tokenizer, min(length, as_int("needle_length", greedy.needle_length,
-                                                                         minimum=64)), max(1, samples // 2), seed)
-        return greedy_scores(model, text_inputs(corpus, length, max(1, samples // 2)), prompts, sparse,
-                             options=greedy, batch_size=batch_size, progress=progress)
     texts = text_inputs(corpus, length, max(1, samples // 2))
     needles = needle_inputs(corpus, tokenizer, length, max(1, samples - len(texts.ids)), seed)
     mixed = CalibrationInputs(torch.cat([texts.ids, needles.ids]))
@@ -485,16 +405,15 @@ def calibration_scores(model: nn.Module, tokenizer, method: str, *, sparse: Patt
 def calibrate(model: nn.Module, tokenizer, *, method: str = "retrieval", budget: float = 1 / 3,
               per_layer: bool = True, sparse: Pattern = DEFAULT_SPARSE, corpus: Corpus | None = None,
               length: int = 2048, samples: int = 8, batch_size: int | None = None,
-              gates: GateOptions = GateOptions(), greedy: GreedyOptions = GreedyOptions(), seed: int = 0,
-              progress: bool = False, tp_size: int = 1) -> Calibration:
+              gates: GateOptions = GateOptions(), seed: int = 0, progress: bool = False,
+              tp_size: int = 1) -> Calibration:
     """Choose which KV heads of ``model`` stay full (causal) and which run ``sparse``, from a selector's scores
     on real text.
 
     Args:
         model: a transformers causal LM, not converted (its attention goes through transformers' registry).
         tokenizer: its tokenizer (builds the calibration prompts).
-        method: ``"hsa"``, ``"retrieval"``, ``"entropy"``, ``"gates"`` or ``"greedy"`` (see the module
-            docstring).
+        method: ``"hsa"``, ``"retrieval"``, ``"entropy"`` or ``"gates"`` (see the module docstring).
         budget: fraction of KV heads kept full (``1/3``: one of three).
         per_layer: the same count in every layer (at least one), or one ranking over the whole model.
         sparse: the pattern of the other heads (default sink 64 + window 256).
@@ -503,13 +422,10 @@ def calibrate(model: nn.Module, tokenizer, *, method: str = "retrieval", budget:
             passkey prompts).
         batch_size: prompts per forward (default on CUDA: 16K tokens per batch, 8K for gates; 1 on CPU).
         gates: training options of the ``gates`` selector.
-        greedy: options of the ``greedy`` selector (text windows of ``length``, half the samples each of text
-            and passkey prompts).
         tp_size: tensor-parallel ranks the modes are for (transformers' ``tp_plan``); above 1 every layer keeps
             the same number of full heads on every rank, each rank its best-scoring ones.
     """
     scores = calibration_scores(model, tokenizer, method, sparse=sparse, corpus=corpus, length=length,
-                                samples=samples, batch_size=batch_size, gates=gates, greedy=greedy, seed=seed,
-                                progress=progress)
+                                samples=samples, batch_size=batch_size, gates=gates, seed=seed, progress=progress)
     modes = select(scores, budget, per_layer=per_layer, layer_scores=method == "entropy", tp_size=tp_size)
     return Calibration(method, scores, modes, {"full": Causal(), "sparse": sparse}, float(budget), per_layer)
