@@ -378,7 +378,7 @@ def test_executor_in_a_converted_model_decoding_with_the_sparse_cache(monkeypatc
     of a left-padded batch through the sparse KV cache's ESA decode (the kernel on CUDA, here made to run it in the
     interpreter; one call per ESA group) equal one forward of the dense reference."""
     pytest.importorskip("transformers")
-    import flexsparse.runtime.esa_executor as esa_executor
+    from flexsparse.runtime import esa_executor
     from flexsparse.integrations import SparseKVCache, convert
     from flexsparse.masks import Causal, SinkWindow
     from flexsparse.runtime.esa_executor import EsaExecutor

@@ -29,8 +29,14 @@ from flexsparse.masks.geometry import Geometry, Positions
 from flexsparse.runtime import buckets
 from flexsparse.runtime.call import AttentionCall, GroupModes, HeadSelection
 from flexsparse.runtime.compiled import run_flex
-from flexsparse.runtime.cost import (DENSE_FLOPS_PER_S, FLEX_FULL_SPEED, FLEX_PARTIAL_TILE_COST, attention_flops,
-                                     causal_pairs, causal_tile_pairs)
+from flexsparse.runtime.cost import (
+    DENSE_FLOPS_PER_S,
+    FLEX_FULL_SPEED,
+    FLEX_PARTIAL_TILE_COST,
+    attention_flops,
+    causal_pairs,
+    causal_tile_pairs,
+)
 from flexsparse.runtime.executors import Executor
 
 _CONTIGUOUS_CACHE_SIZE = 8
