@@ -15,7 +15,7 @@ from flexsparse import HybridAttention
 from flexsparse.masks import ESA, Causal, Geometry, SinkWindow
 from flexsparse.reference import attention as reference
 from flexsparse.runtime.call import AttentionCall
-from flexsparse.runtime.cost import DENSE_FLOPS_PER_S, attention_flops
+from flexsparse.runtime.cost import DENSE_FLOPS_PER_S, LAUNCH_S, attention_flops
 from flexsparse.runtime.executors import DenseExecutor, Executor, SdpaExecutor
 from flexsparse.runtime.flex import FlexExecutor
 from flexsparse.runtime.registry import register_executor, registered_executors, unregister_executor
@@ -124,7 +124,8 @@ def test_layers_built_before_registration_keep_their_executors():
 @pytest.mark.parametrize("price,owner", [(1.0, "sink_window_slices"), (1e9, "flex_eager")])
 def test_the_planner_follows_costs(price, owner):
     """The same executor set: the sink+window heads go to the test executor while it is cheaper than flex, to flex
-    once it costs more; a tie goes to the earlier executor."""
+    once it costs more by more than a launch; estimates closer than a launch leave the head to the earlier
+    executor."""
     flex = FlexExecutor(list(PATTERNS.values()), compiled=False)
     attn = HybridAttention(4, 2, 16, PATTERNS, ["ssa", "full"], block_size=16, plan="split",
                            executors=[SdpaExecutor(), SinkWindowSlices(price), flex])
@@ -140,10 +141,24 @@ def test_the_planner_follows_costs(price, owner):
         def cost(self, patterns, call):
             return self.fixed
 
-    for first, second, expected in ((0.0, 0.0, "a"), (2e-15, 1e-15, "b"), (1e-15, 2e-15, "a")):
+    for first, second, expected in ((0.0, 0.0, "a"), (1.0, 0.0, "b"), (0.0, 1.0, "a"), (LAUNCH_S / 2, 0.0, "a")):
         tied = HybridAttention(4, 2, 16, PATTERNS, ["ssa", "ssa"], plan="split",
                                executors=[Priced("a", first), Priced("b", second), flex])
         assert planned(tied, q, k, (1, 1), "custom") == [(expected, (0, 1))]
+
+
+def test_a_later_executor_takes_a_head_when_it_saves_more_than_a_launch():
+    """Preference order [flex, slices]: at 8192 tokens flex's estimate for a sink+window head exceeds the slices'
+    by more than a launch, so the later executor takes it; at 64 tokens the estimates do not rank and flex keeps
+    it. Only planned (empty tensors)."""
+    flex = FlexExecutor(list(PATTERNS.values()), compiled=False)
+    attn = HybridAttention(4, 2, 16, PATTERNS, ["ssa", "full"], plan="split", executors=[flex, SinkWindowSlices()])
+    for seq, owner in ((8192, "sink_window_slices"), (64, "flex_eager")):
+        q, k = torch.empty(1, 4, seq, 16), torch.empty(1, 2, seq, 16)
+        call = AttentionCall(q, k, k, 0.25, Geometry(4, seq), needs_grad=False, kv_heads=(0, 1))
+        saving = flex.cost([PATTERNS["ssa"]], call) - SinkWindowSlices().cost([PATTERNS["ssa"]], call)
+        assert (saving > LAUNCH_S) == (seq == 8192)
+        assert planned(attn, q, k, (1, 0), "custom")[0][0] == owner  # the group holding KV head 0
 
 
 def test_a_custom_set_is_used_and_fused_plans_take_its_fusing_executor():

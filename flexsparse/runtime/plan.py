@@ -3,7 +3,8 @@
 The planner knows no executor by name: it asks each (in preference order) whether it accepts a pattern for the call
 and what running a head of it would cost (:meth:`~flexsparse.runtime.executors.Executor.cost`, estimated seconds).
 ``fused``: every head in one launch of the first executor that ``fuses`` and accepts every pattern (flex, or dense).
-``split``: each head to the cheapest executor that accepts its pattern (ties to the earlier one). ``auto``: split on
+``split``: each head to the cheapest executor that accepts its pattern (an earlier one keeps it unless a later one
+saves more than a launch). ``auto``: split on
 CUDA where :func:`split_pays` (contiguous calls; decode and chunks always split), fused elsewhere. Modes that only
 the device knows (a per-call mode tensor) always run fused: grouping them would need a host sync.
 
@@ -93,15 +94,22 @@ class Planner:
         return groups
 
     def _cheapest(self, mode: int, call: AttentionCall) -> Executor:
-        """The executor that runs a head of ``mode`` at the lowest estimated cost (ties: the earlier one)."""
+        """The executor that runs a head of ``mode`` at the lowest estimated cost. A later executor takes the head
+        from an earlier one only when it saves more than one launch (:data:`LAUNCH_S`): estimates closer than
+        that do not rank (short calls are launch-bound), so there the preference order decides."""
         pattern = self.patterns[mode]
         accepting = [e for e in self.executors if e.accepts(pattern, call)]
         if not accepting:
             raise ValueError(f"no executor accepts pattern {self.names[mode]!r} ({pattern!r}) for this call "
                              f"({self._describe(call)}); executors: {[e.name for e in self.executors]}")
-        if len(accepting) == 1:
-            return accepting[0]
-        return min(accepting, key=lambda e: e.cost([pattern], call))  # min keeps the first of equal costs
+        best, best_cost = accepting[0], None
+        for executor in accepting[1:]:
+            if best_cost is None:
+                best_cost = best.cost([pattern], call)
+            cost = executor.cost([pattern], call)
+            if cost < best_cost - LAUNCH_S:
+                best, best_cost = executor, cost
+        return best
 
     def _fuser(self, call: AttentionCall, modes) -> Executor | None:
         """The first executor that runs any mix of these modes' patterns in one launch."""
