@@ -410,7 +410,7 @@ def test_executor_in_a_converted_model_decoding_with_the_sparse_cache(monkeypatc
     of a left-padded batch through the sparse KV cache's ESA decode (the kernel on CUDA, here made to run it in the
     interpreter; one call per ESA group) equal one forward of the dense reference."""
     pytest.importorskip("transformers")
-    import flexsparse.integrations.kv_cache as kv_cache
+    from flexsparse.runtime import esa_executor
     from flexsparse.integrations import SparseKVCache, convert
     from flexsparse.masks import Causal, SinkWindow
     from flexsparse.runtime.esa_executor import EsaExecutor
@@ -431,7 +431,7 @@ def test_executor_in_a_converted_model_decoding_with_the_sparse_cache(monkeypatc
 
     monkeypatch.setattr(EsaExecutor, "accepts", lambda self, pattern, call: isinstance(pattern, ESA))
     monkeypatch.setattr(EsaExecutor, "run", counted_run)
-    monkeypatch.setattr(kv_cache, "esa_attention_reference", kernel_decode)
+    monkeypatch.setattr(esa_executor, "esa_attention_reference", kernel_decode)
     patterns = {"full": Causal(), "ssa": SinkWindow(2, 6), "esa": ESA(0, 3, 4, 4), "esa2": ESA(2, 3, 4, 4)}
     modes = [["full", "esa"], ["esa", "ssa"], ["esa2", "esa"]]
     model = convert(tiny_model("llama"), patterns, modes, backend="flex", plan="split", block_size=16)

@@ -214,15 +214,22 @@ def test_split_plan_runs_decode_and_per_call_modes():
 
 
 def test_auto_plan_cost_model_prefers_split_only_for_long_sequences():
+    """The executors' costs: 2 full heads of 8 on SDPA beside 6 sink+window heads on flex pay for the extra launch
+    and the output copy only for long sequences."""
     from flexsparse.runtime.call import AttentionCall
+    from flexsparse.runtime.executors import SdpaExecutor
+    from flexsparse.runtime.flex import FlexExecutor
     from flexsparse.runtime.plan import split_pays
 
     def call(seq):
         q, k = torch.empty(1, 32, seq, 128), torch.empty(1, 8, seq, 128)
         return AttentionCall(q, k, k, 1.0, Geometry(32, seq), needs_grad=False, kv_heads=tuple(range(8)))
 
-    assert not split_pays(call(2048), 2)
-    assert split_pays(call(65536), 2)
+    full, ssa = Causal(), SinkWindow(128, 2048)
+    flex = FlexExecutor([full, ssa])
+    groups = [(SdpaExecutor(), [full] * 2), (flex, [ssa] * 6)]
+    assert not split_pays(call(2048), groups, flex)
+    assert split_pays(call(65536), groups, flex)
 
 
 def test_one_mode_for_every_head_is_planned_on_the_host():
@@ -268,7 +275,7 @@ def test_a_subset_of_kv_heads_equals_those_heads_of_the_whole_layer(backend):
         attn(q[:, :2], k[:, :2], v[:, :2], kv_heads=[3])
 
 
-def test_split_plan_sends_each_head_to_the_first_executor_that_accepts_it():
+def test_split_plan_sends_each_head_to_the_cheapest_executor_that_accepts_it():
     """A mixed layer: full heads to SDPA, ESA heads to the ESA kernel (any subset of the layer's heads, here KV
     heads 1 and 3), the rest to the sparse executor; a cache group's subset of heads plans the same way."""
     from flexsparse.masks import ESA
@@ -282,14 +289,24 @@ def test_split_plan_sends_each_head_to_the_first_executor_that_accepts_it():
         def accepts(self, pattern, call):
             return isinstance(pattern, ESA)
 
+        def cost(self, patterns, call):
+            return 1.0 * len(patterns)
+
         def run(self, call, patterns, modes, heads):
             raise AssertionError("not run")
 
     class Sparse(EsaKernel):
         name = "sparse"
+        fuses = True
+
+        def accepts(self, pattern, call):
+            return True
+
+        def cost(self, patterns, call):
+            return 2.0 * len(patterns)
 
     patterns = [Causal(), ESA(0, 2, 4, 8), SinkWindow(2, 8)]
-    planner = Planner("split", patterns, 4, [SdpaExecutor(), EsaKernel()], Sparse())
+    planner = Planner("split", patterns, 4, [SdpaExecutor(), EsaKernel(), Sparse()])
     q, k = torch.empty(1, 8, 64, 16), torch.empty(1, 4, 64, 16)
     call = AttentionCall(q, k, k, 0.25, Geometry(8, 64), needs_grad=False, kv_heads=(0, 1, 2, 3))
     groups = planner.groups(call, (0, 1, 2, 1))

@@ -1,13 +1,15 @@
 """A transformers ``Cache`` that keeps, per layer and head group, only the keys its heads' patterns can attend.
 
-Per layer, the KV heads are grouped by :func:`~flexsparse.integrations.layer.cache_groups`:
+Per layer, the KV heads are grouped by :func:`~flexsparse.integrations.layer.cache_groups`, as the layer's executors
+say (:meth:`~flexsparse.runtime.executors.Executor.cache_kind`); decode steps run through the group's executor:
 
 * heads that keep every token, slot t holding token t (``[B, H_group, capacity, d]``):
 
   - "full": heads whose decode query attends every earlier key (full causal, XAttention, TriangleMix). A decode
     step attends the filled slots (below); a chunk of several tokens runs the heads' own patterns over them;
-  - "esa" (one group per ESA mode): a decode step gathers the new token's ``attn_length`` keys from the filled
-    slots (ESA's Triton kernel on CUDA, its PyTorch form elsewhere); chunks as above;
+  - an executor's own kind, e.g. "esa" (one group per ESA mode): a decode step runs the executor's
+    ``decode_step`` (ESA's gathers the new token's ``attn_length`` keys from the filled slots: its Triton kernel
+    on CUDA, its PyTorch form elsewhere); chunks as above;
   - "keep" (other patterns: combinations, SinkWindow with ``unit > 1``, ...): every call runs the layer's
     executors over the whole buffer; under compiled flex its capacity is a flex bucket
     (:func:`~flexsparse.runtime.buckets.kv_bucket`), so compiled flex never copies it;
@@ -71,27 +73,20 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from flexsparse.integrations.forward_mask import ForwardMask
 from flexsparse.integrations.layer import CacheGroup, SparseAttentionLayer, sparse_layers
 from flexsparse.kernels.availability import kernels_run_on
-from flexsparse.kernels.decode_reference import MAX_HEAD_DIM, DecodeGroup, ranged_decode_reference
-from flexsparse.kernels.esa_index import EsaIndexRule
-from flexsparse.kernels.esa_reference import esa_attention_reference, supports_head_dim
-from flexsparse.masks import ESA, Positions, SinkWindow
+from flexsparse.kernels.decode_reference import MAX_HEAD_DIM, DecodeGroup
+from flexsparse.masks import Positions, SinkWindow
 from flexsparse.runtime.buckets import kv_bucket
-from flexsparse.runtime.executors import sdpa_without_graph_builds
 from flexsparse.validation import as_int
 
 if TYPE_CHECKING:
     from flexsparse.kernels.decode import DecodeStep
 
-
-_MASKED_DECODE_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 GROWTH_STEPS = 16
 """Capacities a buffer grows through per power of two (see :func:`grown_capacity`)."""
@@ -235,40 +230,20 @@ class _GroupCache:
 
     def attend_ranges(self, q: Tensor, lo: Tensor, hi: Tensor, scale: float | None) -> Tensor:
         """One query per sequence against slots ``lo[b] <= slot < hi[b]`` (``[B]`` on the device), every one a key
-        it attends: the ranged decode kernel on CUDA (split over the slots, GQA without a K/V copy, no host sync),
-        its PyTorch form elsewhere."""
-        q_group = self.pick_q(q)[:, :, 0]
-        if q.is_cuda and q.shape[-1] <= MAX_HEAD_DIM and kernels_run_on(q.device):
-            from flexsparse.kernels.decode import ranged_decode_attention  # triton: imported where it runs
-
-            return ranged_decode_attention(q_group, self.keys, self.values, lo, hi, scale=scale)[:, :, None]
-        return ranged_decode_reference(q_group, self.keys, self.values, lo, hi, scale=scale)[:, :, None]
+        it attends (the group executor's ``decode_ranges``)."""
+        return self.group.executor.decode_ranges(self.pick_q(q), self.keys, self.values, lo, hi, scale)
 
     def attend_filled(self, q: Tensor, filled: int, scale: float | None) -> Tensor:
-        """One query per sequence against the first ``filled`` slots, every one a key it attends: SDPA without a
-        mask, GQA without a K/V copy (the flash kernel; a position mask would send SDPA to a slower one, and
-        cuDNN's would build a graph per step)."""
-        q_group = self.pick_q(q)
-        return sdpa_without_graph_builds(q_group, self.keys[:, :, :filled], self.values[:, :, :filled], scale=scale,
-                                         enable_gqa=q_group.shape[1] > self.keys.shape[1])
+        """One query per sequence against the first ``filled`` slots, every one a key it attends (the group
+        executor's ``decode_prefix``)."""
+        return self.group.executor.decode_prefix(self.pick_q(q), self.keys, self.values, filled, scale)
 
     def attend_visible(self, q: Tensor, filled: int, visible: tuple[Tensor, Tensor], scale: float | None) -> Tensor:
         """One query per sequence against the first ``filled`` slots, those marked in ``visible`` (from
-        :func:`_visible`): SDPA with a boolean mask, the GQA group folded into query rows (no K/V copy); a padding
-        query's row is 0."""
+        :func:`_visible`; the group executor's ``decode_masked``); a padding query's row is 0."""
         allowed, empty = visible
-        q_group = self.pick_q(q)
-        batch, heads, _, dim = q_group.shape
-        kv_heads = self.keys.shape[1]
-        folded = q_group.reshape(batch, kv_heads, heads // kv_heads, dim)  # one query: the group's rows
-        attend = lambda: F.scaled_dot_product_attention(folded, self.keys[:, :, :filled], self.values[:, :, :filled],
-                                                        attn_mask=allowed[:, None, None, :], scale=scale)
-        if q.is_cuda:  # not cuDNN's attention: it would build a graph for every new key length
-            with sdpa_kernel(_MASKED_DECODE_BACKENDS):
-                out = attend()
-        else:
-            out = attend()
-        return out.masked_fill(empty[:, :, None, None], 0.0).reshape(batch, heads, 1, dim)
+        return self.group.executor.decode_masked(self.pick_q(q), self.keys, self.values, filled, allowed, empty,
+                                                 scale)
 
 
 def _visible(mask: ForwardMask, memo_key: tuple, kv_positions: Tensor) -> tuple[Tensor, Tensor]:
@@ -340,24 +315,9 @@ class _AttendAll(_EveryKey):
         return self.attend_chunk(layer, q, mask, tokens, scale)
 
 
-class _EsaKeys(_EveryKey):
-    """"esa" heads (one ESA pattern): a decode step gathers the new token's ``attn_length`` keys from the filled
-    slots, through ESA's Triton kernel on CUDA (head dims it takes) and its PyTorch form elsewhere, per run of
-    consecutive KV heads (the kernel takes whole KV groups of the layer's heads)."""
-
-    def __init__(self, group: CacheGroup, group_size: int, counts: _Counts, max_length: int | None) -> None:
-        super().__init__(group, group_size, counts, max_length)
-        self.pattern: ESA = group.pattern
-        self.rule = EsaIndexRule(self.pattern.layer_idx, self.pattern.num_layers, self.pattern.attn_length,
-                                 self.pattern.num_heads)
-        self.group_size = group_size
-        runs: list[list[int]] = []  # [first index in the group, count, the layer's first KV head]
-        for index, head in enumerate(group.kv_heads):
-            if runs and head == runs[-1][2] + runs[-1][1]:
-                runs[-1][1] += 1
-            else:
-                runs.append([index, 1, head])
-        self.runs = [tuple(run) for run in runs]
+class _OwnDecode(_EveryKey):
+    """Heads of one pattern whose executor decodes them itself (ESA's: its gather reads the new token's
+    ``attn_length`` keys from the filled slots, the Triton kernel on CUDA, its PyTorch form elsewhere)."""
 
     def attend(self, layer: SparseAttentionLayer, q: Tensor, key: Tensor, value: Tensor, mask: ForwardMask,
                past: int, scale: float | None, decode: str | None = None) -> Tensor:
@@ -369,20 +329,13 @@ class _EsaKeys(_EveryKey):
         if decode != "none":  # padding: query positions and the slot of each key position, shared by the layers
             table = mask.table_positions()
             q_positions = table.q
-            key_slots = mask.memo.get(("esa key slots", tokens))
+            key_slots = mask.memo.get(("key slots", tokens))
             if key_slots is None:
-                key_slots = mask.memo[("esa key slots", tokens)] = table.key_slots()[:, :table.span].to(torch.int32)
-        if q.is_cuda and supports_head_dim(q.shape[-1]) and kernels_run_on(q.device):
-            from flexsparse.kernels.esa import esa_attention as attend  # triton: imported where it runs
-        else:
-            attend = esa_attention_reference
-        q_group, keys, values = self.pick_q(q), self.keys[:, :, :tokens], self.values[:, :, :tokens]
-        group = self.group_size
-        outputs = [attend(q_group[:, first * group:(first + count) * group], keys[:, first:first + count],
-                          values[:, first:first + count], self.rule, scale, q_positions=q_positions,
-                          key_slots=key_slots, head_offset=(layer.first_kv_head + head) * group)
-                   for first, count, head in self.runs]
-        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, 1)
+                key_slots = mask.memo[("key slots", tokens)] = table.key_slots()[:, :table.span].to(torch.int32)
+        return self.group.executor.decode_step(self.pick_q(q), self.keys[:, :, :tokens], self.values[:, :, :tokens],
+                                               self.group.pattern,
+                                               [layer.first_kv_head + head for head in self.group.kv_heads], scale,
+                                               q_positions=q_positions, key_slots=key_slots)
 
 
 class _FlexKeys(_EveryKey):
@@ -529,15 +482,12 @@ class SparseKVLayer(CacheLayerMixin):
         compiled = options["backend"] in ("auto", "flex")
         self.groups: list[_GroupCache] = []
         for group in layer.groups:
-            if group.kind == "ring":
-                self.groups.append(_Ring(group, layer.group_size, counts, max_length))
-            elif group.kind == "full":
-                self.groups.append(_AttendAll(group, layer.group_size, counts, max_length))
-            elif group.kind == "esa":
-                self.groups.append(_EsaKeys(group, layer.group_size, counts, max_length))
-            else:
+            if group.kind == "keep":
                 self.groups.append(_FlexKeys(group, layer.group_size, counts, max_length, compiled,
                                              options["block_size"]))
+            else:
+                buffers = {"ring": _Ring, "full": _AttendAll}.get(group.kind, _OwnDecode)
+                self.groups.append(buffers(group, layer.group_size, counts, max_length))
         ranges = [group.q_index.slice for group in self.groups]
         self.heads_in_order = all(r is not None for r in ranges) and all(
             a.stop == b.start for a, b in zip(ranges, ranges[1:]))

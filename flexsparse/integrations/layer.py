@@ -2,17 +2,20 @@
 heads.
 
 A KV head's pattern decides what the cache keeps for it and how a one-token decode step reads it
-(:class:`CacheGroup`):
+(:class:`CacheGroup`); the layer's executors say which (:meth:`~flexsparse.runtime.executors.Executor.cache_kind`,
+the first executor in preference order that names one):
 
-* ``"full"``: heads whose decode query attends every earlier key: full causal patterns, XAttention (it decodes as
-  full attention) and TriangleMix (a decode query is in its last-queries band). They keep every key and decode
-  over the filled slots without a mask (SDPA, the ranged decode kernel);
-* ``"esa"``: ESA heads (one group per ESA mode) keep every key and decode through ESA's gather (its Triton kernel
-  on CUDA), which reads the ``attn_length`` keys of the new token only;
-* ``"keep"``: other patterns that read arbitrary history (combinations, SinkWindow with ``unit > 1``, PerHead, ...)
-  keep every key and run every call through the layer's executors (compiled flex under the flex backends);
-* ``"ring"``: token-exact :class:`~flexsparse.masks.SinkWindow` heads keep only the sink and the last ``window``
-  keys, in a ring buffer (one group per SinkWindow mode).
+* ``"full"`` (SDPA's): heads whose decode query attends every earlier key: full causal patterns, XAttention (it
+  decodes as full attention) and TriangleMix (a decode query is in its last-queries band). They keep every key and
+  decode over the filled slots without a mask (SDPA, the ranged decode kernel);
+* an executor's own name, e.g. ``"esa"`` (one group per mode): heads that keep every key and decode through the
+  executor's ``decode_step`` (ESA's gather, its Triton kernel on CUDA, reads the ``attn_length`` keys of the new
+  token only);
+* ``"keep"`` (flex's and dense's): other patterns that read arbitrary history (combinations, SinkWindow with
+  ``unit > 1``, PerHead, ...) keep every key and run every call through the layer's plan (compiled flex under the
+  flex backends);
+* ``"ring"`` (SDPA's): token-exact :class:`~flexsparse.masks.SinkWindow` heads keep only the sink and the last
+  ``window`` keys, in a ring buffer (one group per SinkWindow mode).
 """
 
 from __future__ import annotations
@@ -26,10 +29,12 @@ import torch
 from torch import Tensor, nn
 
 from flexsparse.attention import HybridAttention
-from flexsparse.masks import ESA, Pattern, SinkWindow, TriangleMix, XAttention
+from flexsparse.masks import Pattern, SinkWindow
 from flexsparse.routers import Router, Routing
+from flexsparse.runtime.executors import Executor
 
-GroupKind = Literal["full", "esa", "keep", "ring"]
+GroupKind = Literal["full", "keep", "ring"] | str
+""""full", "keep", "ring", or the name of the executor that decodes the group's heads itself."""
 
 
 @dataclass
@@ -53,11 +58,12 @@ class RouterSettings:
 
 @dataclass(frozen=True)
 class CacheGroup:
-    """KV heads of a layer that share a cache buffer. ``pattern``: the one SinkWindow of a ring group, the one ESA
-    of an esa group (None for the other kinds)."""
+    """KV heads of a layer that share a cache buffer, and the executor that decodes them. ``pattern``: the one
+    SinkWindow of a ring group, the one pattern of a group its executor decodes itself (None for the other kinds)."""
 
     kind: GroupKind
     kv_heads: tuple[int, ...]
+    executor: Executor
     pattern: Pattern | None = None
 
     @property
@@ -70,29 +76,28 @@ class CacheGroup:
         return [h * group_size + i for h in self.kv_heads for i in range(group_size)]
 
 
-def decodes_as_full(pattern: Pattern) -> bool:
-    """Whether a one-token decode step of ``pattern`` attends every earlier key: full causal patterns, XAttention
-    (decode resolves it to Causal) and TriangleMix (the new token is the last position, inside the full band)."""
-    return (pattern.is_full and not pattern.is_dynamic) or isinstance(pattern, (XAttention, TriangleMix))
+_KIND_ORDER = {"full": 0, "keep": 2, "ring": 3}  # an executor's own kind between full and keep
 
 
-def cache_groups(patterns: Sequence[Pattern], modes: Sequence[int]) -> list[CacheGroup]:
-    """Groups of the KV heads by what the cache keeps for them and how they decode: full, one esa group per ESA
-    mode, keep, then one ring per SinkWindow mode."""
+def cache_groups(patterns: Sequence[Pattern], modes: Sequence[int], executors: Sequence[Executor]) -> list[CacheGroup]:
+    """Groups of the KV heads by what the cache keeps for them and how they decode, as the first of ``executors``
+    (preference order) that names a kind for the head's pattern says: full, one group per mode for executors that
+    decode heads themselves, keep, then one ring per SinkWindow mode."""
     kinds: dict[tuple, list[int]] = {}
+    owners: dict[tuple, Executor] = {}
     for head, mode in enumerate(modes):
         pattern = patterns[mode]
-        if isinstance(pattern, SinkWindow) and pattern.unit == 1:
-            key = ("ring", mode)
-        elif decodes_as_full(pattern):
-            key = ("full", -1)
-        elif isinstance(pattern, ESA):
-            key = ("esa", mode)
-        else:
-            key = ("keep", -1)
+        kind, executor = next(((e.cache_kind(pattern), e) for e in executors if e.cache_kind(pattern) is not None),
+                              (None, None))
+        if kind is None:
+            raise ValueError(f"no executor keeps and decodes pattern {pattern!r} in a sparse KV cache; executors: "
+                             f"{[e.name for e in executors]}")
+        key = (kind, -1) if kind in ("full", "keep") else (kind, mode)
         kinds.setdefault(key, []).append(head)
-    order = sorted(kinds, key=lambda key: (("full", "esa", "keep", "ring").index(key[0]), key[1]))
-    return [CacheGroup(kind, tuple(kinds[(kind, mode)]), patterns[mode] if kind in ("esa", "ring") else None)
+        owners.setdefault(key, executor)
+    order = sorted(kinds, key=lambda key: (_KIND_ORDER.get(key[0], 1), key[0] if key[0] not in _KIND_ORDER else "",
+                                           key[1]))
+    return [CacheGroup(kind, tuple(kinds[(kind, mode)]), owners[(kind, mode)], None if mode < 0 else patterns[mode])
             for kind, mode in order]
 
 
@@ -128,7 +133,7 @@ class SparseAttentionLayer(nn.Module):
         self.options = {"block_size": block_size, "backend": backend, "plan": plan}
         self.attention = HybridAttention(num_heads, num_kv_heads, head_dim, self.patterns, list(self.modes),
                                          block_size=block_size, backend=backend, plan=plan)
-        self.groups = cache_groups(list(self.patterns.values()), self.modes)
+        self.groups = cache_groups(list(self.patterns.values()), self.modes, self.attention.executors)
         self.attached = True
         """False once convert or revert replaced this state: caches filled through it refuse further use."""
         self._staged: list[tuple | None] = [None]  # a holder: nn.Module's __setattr__ costs ~5 us per step

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from flexsparse.kernels.esa_index import EsaIndexRule
 from flexsparse.masks.base import MaskMod, Pattern
 from flexsparse.masks.geometry import Geometry, classify
 from flexsparse.validation import as_int
@@ -96,6 +97,11 @@ class ESA(Pattern):
         """Start s and window n - s for absolute query positions (any int tensor)."""
         return _start_and_window(positions, self.attn_length, max(self.num_layers - 1, 1),
                                  max(self.num_layers - 1, 1) - self.layer_idx)
+
+    @property
+    def index_rule(self) -> EsaIndexRule:
+        """The four integers the ESA kernels take (:class:`~flexsparse.kernels.esa_index.EsaIndexRule`)."""
+        return EsaIndexRule(self.layer_idx, self.num_layers, self.attn_length, self.num_heads)
 
     def indices(self, positions: Tensor) -> Tensor:
         """Key indices ``[H, len(positions), w]`` of the given absolute query positions, before masking.

@@ -4,21 +4,29 @@ FlexAttention is the wrong tool for ESA: its dilated keys touch 19-60% of the ti
 kernel reads each query's ``attn_length`` keys directly. It takes any whole KV groups of a layer (the kernel's
 ``head_offset`` gives each head its own shifts), so in a mixed layer the ESA heads run here beside full heads on
 SDPA and sink+window heads on flex. CPU calls and head dims the kernel does not take (not a power of two in
-[16, 256]) keep ESA heads on flex.
+[16, 256]) keep ESA heads on flex. In a sparse KV cache, ESA heads keep every key and a one-token step gathers the
+new token's keys (:meth:`EsaExecutor.decode_step`: the kernel on CUDA, its PyTorch form elsewhere).
+
+The executor recognises its patterns by name (``pattern_names``) and reads their ``attn_length``.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 from flexsparse.kernels.availability import kernels_run_on
+from flexsparse.kernels.esa_reference import esa_attention_reference, supports_head_dim
 from flexsparse.masks.base import Pattern
-from flexsparse.masks.esa import ESA
 from flexsparse.runtime.call import AttentionCall, GroupModes, HeadSelection
 from flexsparse.runtime.executors import Executor
+
+SECONDS_PER_QUERY_KEY = 13.5e-3 / (131072 * 32 * 64)
+"""The gather kernel's time per (query head, attended key) at head dim 128: 13.5 ms forward at 128K for 32 query
+heads of ``attn_length`` 64 on the H100 (0.87 ms at 8K: the same rate). It scales with the head dim."""
 
 
 def _runs(call: AttentionCall, heads: HeadSelection, modes: tuple[int, ...]) -> list[tuple[int, int, int]]:
@@ -37,23 +45,41 @@ def _runs(call: AttentionCall, heads: HeadSelection, modes: tuple[int, ...]) -> 
     return [tuple(run) for run in runs]
 
 
+@functools.lru_cache(maxsize=256)
+def _consecutive_runs(kv_heads: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """Layer KV heads as (first index, count, the layer's first KV head) runs of consecutive heads."""
+    runs: list[list[int]] = []
+    for index, head in enumerate(kv_heads):
+        if runs and head == runs[-1][2] + runs[-1][1]:
+            runs[-1][1] += 1
+        else:
+            runs.append([index, 1, head])
+    return [tuple(run) for run in runs]
+
+
 class EsaExecutor(Executor):
     """ESA heads on CUDA through the gather kernel (forward, backward, decode, positions)."""
 
     name = "esa"
+    pattern_names = ("esa",)
+    """Names of the patterns the gather kernel runs (``Pattern.name``)."""
 
     def accepts(self, pattern: Pattern, call: AttentionCall) -> bool:
         device = call.q.device
-        if not (isinstance(pattern, ESA) and device.type == "cuda" and kernels_run_on(device)):
-            return False
-        from flexsparse.kernels.esa import supports_head_dim
+        return (pattern.name in self.pattern_names and device.type == "cuda" and kernels_run_on(device)
+                and supports_head_dim(call.q.shape[-1]))
 
-        return supports_head_dim(call.q.shape[-1])
+    def cost(self, patterns, call):
+        batch, _, q_len, dim = call.q.shape
+        keys = sum(min(p.attn_length, call.geometry.kv_len) for p in patterns)
+        return batch * call.group_size * q_len * keys * SECONDS_PER_QUERY_KEY * dim / 128
+
+    def cache_kind(self, pattern: Pattern) -> str | None:
+        return self.name if pattern.name in self.pattern_names else None
 
     def run(self, call: AttentionCall, patterns: Sequence[Pattern | None], modes: GroupModes,
             heads: HeadSelection) -> Tensor:
         from flexsparse.kernels.esa import esa_attention
-        from flexsparse.kernels.esa_index import EsaIndexRule
 
         geo, group = call.geometry, call.group_size
         q_positions = key_slots = None
@@ -64,9 +90,26 @@ class EsaExecutor(Executor):
         for first, count, mode in _runs(call, heads, modes.host):
             local, layer = heads.kv_heads[first], call.kv_heads[heads.kv_heads[first]]
             kv = slice(local, local + count)
-            pattern = patterns[mode]
-            rule = EsaIndexRule(pattern.layer_idx, pattern.num_layers, pattern.attn_length, pattern.num_heads)
+            rule = patterns[mode].index_rule
             outputs.append(esa_attention(
                 call.q[:, local * group:(local + count) * group], call.k[:, kv], call.v[:, kv], rule,
                 call.scale, q_positions=q_positions, key_slots=key_slots, head_offset=layer * group))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+
+    def decode_step(self, q: Tensor, keys: Tensor, values: Tensor, pattern: Pattern, kv_heads: Sequence[int],
+                    scale: float | None, q_positions: Tensor | None = None,
+                    key_slots: Tensor | None = None) -> Tensor:
+        """One new token per sequence of the layer's KV heads ``kv_heads`` (one ESA pattern), q ``[B, H_g, 1, d]``,
+        against the filled cache slots ``keys``/``values`` ``[B, len(kv_heads), S, d]``; ``q_positions`` and
+        ``key_slots`` as :func:`~flexsparse.kernels.esa.esa_attention` takes them (None: slot t holds position t).
+        One call per run of consecutive KV heads (the kernel takes whole KV groups of the layer's heads)."""
+        if q.is_cuda and supports_head_dim(q.shape[-1]) and kernels_run_on(q.device):
+            from flexsparse.kernels.esa import esa_attention as attend  # triton: imported where it runs
+        else:
+            attend = esa_attention_reference
+        group, rule = q.shape[1] // keys.shape[1], pattern.index_rule
+        outputs = [attend(q[:, first * group:(first + count) * group], keys[:, first:first + count],
+                          values[:, first:first + count], rule, scale, q_positions=q_positions,
+                          key_slots=key_slots, head_offset=head * group)
+                   for first, count, head in _consecutive_runs(tuple(kv_heads))]
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, 1)

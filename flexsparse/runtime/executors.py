@@ -1,9 +1,12 @@
-"""Executors: what runs a group of heads. SDPA for full causal heads, masked SDPA on dense masks (small sizes);
-the flex executors live in flex.py.
+"""Executors: what runs a group of heads. SDPA for full causal heads (and their decode steps in a sparse KV
+cache), masked SDPA on dense masks (small sizes); the flex executors live in flex.py, the ESA kernel's in
+esa_executor.py, the registry of the default set in registry.py.
 
-An executor says which patterns it accepts for a call and computes the output of a head selection. Patterns are
-data: an executor never asks which class a pattern is, only what the protocol says (``is_full``, ``dense``,
-``block_mask``, ``mask_mod``).
+An executor says which patterns it accepts for a call (:meth:`Executor.accepts`), what running some heads would
+cost (:meth:`Executor.cost`), computes the output of a head selection (:meth:`Executor.run`) and says how a sparse
+KV cache keeps and decodes a pattern's heads (:meth:`Executor.cache_kind`). Patterns are data: an executor never
+asks which class a pattern is, only what the protocol says (``is_full``, ``name``, ``dense``, ``block_mask``,
+``mask_mod``).
 """
 
 from __future__ import annotations
@@ -14,27 +17,50 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from flexsparse.kernels.availability import kernels_run_on
+from flexsparse.kernels.decode_reference import MAX_HEAD_DIM, ranged_decode_reference
 from flexsparse.masks.base import Pattern
 from flexsparse.masks.combine import gather_heads
 from flexsparse.masks.geometry import MAX_DENSE_ELEMENTS
 from flexsparse.runtime.call import AttentionCall, GroupModes, HeadSelection
+from flexsparse.runtime.cost import DENSE_FLOPS_PER_S, attention_flops, causal_pairs
+
+_MASKED_DECODE_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class Executor(ABC):
     """Runs the heads of one group of a layer's plan."""
 
     name: str
+    fuses: bool = False
+    """Runs any mix of the patterns it accepts in one launch, with modes chosen per head on the device (a per-call
+    mode tensor): what fused plans use."""
 
     def accepts(self, pattern: Pattern, call: AttentionCall) -> bool:
-        """Whether this executor can run ``pattern`` for this call (default: any pattern)."""
+        """Whether this executor can run ``pattern`` for this call (its geometry, device, dtype, grad mode);
+        default: any pattern."""
         return True
+
+    @abstractmethod
+    def cost(self, patterns: Sequence[Pattern], call: AttentionCall) -> float:
+        """Estimated device seconds to run KV heads of these patterns (one entry per KV head, each accepted) in
+        this call, without the launch (:mod:`flexsparse.runtime.cost`)."""
 
     @abstractmethod
     def run(self, call: AttentionCall, patterns: Sequence[Pattern | None], modes: GroupModes,
             heads: HeadSelection) -> Tensor:
         """Output ``[B, H_sel, Q, d]`` of the selected heads; ``patterns[m]`` is mode m's pattern for this call
         (resolved if content-dependent; None when no head uses it)."""
+
+    def cache_kind(self, pattern: Pattern) -> str | None:
+        """How a sparse KV cache keeps and decodes ``pattern``'s heads through this executor, or None when it does
+        not: ``"full"`` (every key; a one-token step attends every filled slot: :meth:`SdpaExecutor.decode_prefix`
+        and its siblings), ``"ring"`` (the pattern's sink and window keys in a ring; a step attends every kept
+        slot, as "full"), ``"keep"`` (every key; every call runs the layer's plan), or the executor's own name
+        (every key; a one-token step runs the executor's ``decode_step``). Default: None."""
+        return None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -79,9 +105,22 @@ class SdpaExecutor(Executor):
     """
 
     name = "sdpa"
+    decodes_as_full = ("xattention", "triangle_mix")
+    """Names of patterns whose one-token decode step attends every earlier key besides full ones: XAttention
+    (decode resolves it to causal) and TriangleMix (the new token is the last position, inside its full band)."""
 
     def __init__(self, max_mask_elements: int = 1 << 26) -> None:
         self.max_mask_elements = max_mask_elements
+
+    def cost(self, patterns, call):
+        return attention_flops(call, len(patterns), causal_pairs(call)) / DENSE_FLOPS_PER_S
+
+    def cache_kind(self, pattern: Pattern) -> str | None:
+        if pattern.name == "sink_window" and getattr(pattern, "unit", None) == 1:
+            return "ring"  # token-exact sink + window: the ring holds exactly the keys it attends
+        if (pattern.is_full and not pattern.is_dynamic) or pattern.name in self.decodes_as_full:
+            return "full"
+        return None
 
     def accepts(self, pattern: Pattern, call: AttentionCall) -> bool:
         if not pattern.is_full or pattern.is_dynamic:
@@ -107,6 +146,46 @@ class SdpaExecutor(Executor):
         out = F.scaled_dot_product_attention(folded_q, k, v, attn_mask=folded_mask, scale=call.scale)
         return _zero_empty_rows(out.reshape(batch, n_heads, q_len, dim), empty[:, None])
 
+    # ----- one-token decode steps over a sparse KV cache's slots (q [B, H_g, 1, d], keys/values [B, H_kv, S, d])
+
+    @staticmethod
+    def decode_prefix(q: Tensor, keys: Tensor, values: Tensor, filled: int, scale: float | None) -> Tensor:
+        """Every one of the first ``filled`` slots a key the query attends: SDPA without a mask, GQA without a K/V
+        copy (the flash kernel; a position mask would send SDPA to a slower one, and cuDNN's would build a graph
+        per step)."""
+        return sdpa_without_graph_builds(q, keys[:, :, :filled], values[:, :, :filled], scale=scale,
+                                         enable_gqa=q.shape[1] > keys.shape[1])
+
+    @staticmethod
+    def decode_ranges(q: Tensor, keys: Tensor, values: Tensor, lo: Tensor, hi: Tensor,
+                      scale: float | None) -> Tensor:
+        """Slots ``lo[b] <= slot < hi[b]`` (``[B]`` on the device), every one a key the query attends: the ranged
+        decode kernel on CUDA (split over the slots, GQA without a K/V copy, no host sync), its PyTorch form
+        elsewhere."""
+        if q.is_cuda and q.shape[-1] <= MAX_HEAD_DIM and kernels_run_on(q.device):
+            from flexsparse.kernels.decode import ranged_decode_attention  # triton: imported where it runs
+
+            return ranged_decode_attention(q[:, :, 0], keys, values, lo, hi, scale=scale)[:, :, None]
+        return ranged_decode_reference(q[:, :, 0], keys, values, lo, hi, scale=scale)[:, :, None]
+
+    @staticmethod
+    def decode_masked(q: Tensor, keys: Tensor, values: Tensor, filled: int, allowed: Tensor, empty: Tensor,
+                      scale: float | None) -> Tensor:
+        """The first ``filled`` slots, those marked in ``allowed`` (bool ``[B', filled]``, every one a key the query
+        attends; ``empty`` ``[B', 1]``: queries that read none, whose row is 0): SDPA with a boolean mask, the GQA
+        group folded into query rows (no K/V copy)."""
+        batch, heads, _, dim = q.shape
+        kv_heads = keys.shape[1]
+        folded = q.reshape(batch, kv_heads, heads // kv_heads, dim)  # one query: the group's rows
+        attend = lambda: F.scaled_dot_product_attention(folded, keys[:, :, :filled], values[:, :, :filled],
+                                                        attn_mask=allowed[:, None, None, :], scale=scale)
+        if q.is_cuda:  # not cuDNN's attention: it would build a graph for every new key length
+            with sdpa_kernel(_MASKED_DECODE_BACKENDS):
+                out = attend()
+        else:
+            out = attend()
+        return out.masked_fill(empty[:, :, None, None], 0.0).reshape(batch, heads, 1, dim)
+
 
 class DenseExecutor(Executor):
     """Masked SDPA on the patterns' dense references, in chunks of query rows so that one chunk's mask holds at
@@ -114,6 +193,21 @@ class DenseExecutor(Executor):
     CPU training (it has a backward everywhere; CPU flex has none)."""
 
     name = "dense"
+    fuses = True
+
+    def __init__(self, max_len: int | None = None) -> None:
+        self.max_len = max_len
+        """The longest q_len/kv_len accepted (None: any); a layer's ``max_dense_len``."""
+
+    def accepts(self, pattern: Pattern, call: AttentionCall) -> bool:
+        return self.max_len is None or max(call.geometry.q_len, call.geometry.kv_len) <= self.max_len
+
+    def cost(self, patterns, call):
+        geo = call.geometry
+        return attention_flops(call, len(patterns), geo.q_len * geo.kv_len) / DENSE_FLOPS_PER_S
+
+    def cache_kind(self, pattern: Pattern) -> str | None:
+        return "keep"
 
     def run(self, call, patterns, modes, heads):
         q, k, v = heads.pick(call)

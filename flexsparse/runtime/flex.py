@@ -27,11 +27,21 @@ from flexsparse.masks.blocks import BlockMaskStack
 from flexsparse.masks.combine import dispatch_mask_mod
 from flexsparse.masks.geometry import Geometry, Positions
 from flexsparse.runtime import buckets
-from flexsparse.runtime.call import GroupModes, HeadSelection
+from flexsparse.runtime.call import AttentionCall, GroupModes, HeadSelection
 from flexsparse.runtime.compiled import run_flex
+from flexsparse.runtime.cost import (
+    DENSE_FLOPS_PER_S,
+    FLEX_FULL_SPEED,
+    FLEX_PARTIAL_TILE_COST,
+    attention_flops,
+    causal_pairs,
+    causal_tile_pairs,
+)
 from flexsparse.runtime.executors import Executor
 
 _CONTIGUOUS_CACHE_SIZE = 8
+CPU_COMPILED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+"""The dtypes compiled flex_attention runs on a CPU (inductor refuses float64 there)."""
 
 
 class _MaskSet:
@@ -56,15 +66,41 @@ class FlexExecutor(Executor):
     part with its rows of the positions and modes (a content-dependent pattern is resolved again on the part).
     """
 
-    def __init__(self, layer_patterns: Sequence[Pattern], compiled: bool = True, kernel_options: dict | None = None):
+    fuses = True
+
+    def __init__(self, layer_patterns: Sequence[Pattern], compiled: bool = True, kernel_options: dict | None = None,
+                 max_len: int | None = None):
         self.layer_patterns = list(layer_patterns)
         self.compiled = compiled
         self.kernel_options = dict(kernel_options or {})
+        self.max_len = max_len
+        """The longest q_len/kv_len accepted (None: any); eager flex is O(S^2) in memory."""
         self.name = "flex" if compiled else "flex_eager"
         self._contiguous: OrderedDict[tuple, _MaskSet] = OrderedDict()
 
     def __repr__(self) -> str:
         return f"FlexExecutor(compiled={self.compiled})"
+
+    def accepts(self, pattern: Pattern, call: AttentionCall) -> bool:
+        """Any pattern, except where flex cannot run the call: a CPU backward (flex is forward-only there), a
+        dtype compiled flex does not take on the CPU, or a length past ``max_len``."""
+        geo, on_cpu = call.geometry, call.q.device.type == "cpu"
+        if on_cpu and (call.needs_grad or (self.compiled and call.q.dtype not in CPU_COMPILED_DTYPES)):
+            return False
+        return self.max_len is None or max(geo.q_len, geo.kv_len) <= self.max_len
+
+    def cost(self, patterns, call):
+        """Full heads: their causal pairs at flex's speed on full tiles. Other heads: every causal tile, each at
+        the cost of a partial one (their density is not known on the host before the mask is built: an upper
+        estimate)."""
+        full = sum(p.is_full for p in patterns)
+        work = attention_flops(call, full, causal_pairs(call))
+        if full < len(patterns):
+            work += FLEX_PARTIAL_TILE_COST * attention_flops(call, len(patterns) - full, causal_tile_pairs(call))
+        return work / (DENSE_FLOPS_PER_S * FLEX_FULL_SPEED)
+
+    def cache_kind(self, pattern: Pattern) -> str | None:
+        return "keep"
 
     def run(self, call, patterns, modes, heads):
         q, k, v = heads.pick(call)
