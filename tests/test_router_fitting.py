@@ -52,8 +52,8 @@ def tiny():
 
 def _fit(tiny, out, kind="head", **kwargs):
     model, tokenizer, corpus = tiny
-    options = dict(sparse=SPARSE, steps=3, length=LENGTH, batch_size=2, check_batches=1, corpus=corpus,
-                   pool_size=8, router_lr=1e-2, block_size=BLOCK, backend="dense", log_every=1)
+    options = {"sparse": SPARSE, "steps": 3, "length": LENGTH, "batch_size": 2, "check_batches": 1, "corpus": corpus,
+               "pool_size": 8, "router_lr": 1e-2, "block_size": BLOCK, "backend": "dense", "log_every": 1}
     return train_routers(model, tokenizer, out, kind, **{**options, **kwargs})
 
 
@@ -154,7 +154,7 @@ def test_the_constraint_moves_the_sampled_msr_towards_its_target(tiny, tmp_path,
 
 
 def test_bad_arguments_name_themselves(tiny, tmp_path):
-    model, tokenizer, corpus = tiny
+    model = tiny[0]
     with pytest.raises(ValueError, match="kind must be one of"):
         _fit(tiny, tmp_path, "heads")
     with pytest.raises(ValueError, match="budget must be <= 1"):
