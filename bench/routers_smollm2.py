@@ -104,14 +104,14 @@ def main() -> int:
     parser.add_argument("--device", default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tiny", action="store_true",
-                        help="CPU check: 256 tokens, sink 16 + window 64, 3 steps, 2 trials, the cached model")
+                        help="CPU check: 128 tokens, sink 4 + window 16, 2 steps, 1 trial, the cached model")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args()
     if args.tiny:
         args.device = args.device or "cpu"
-        args.sink, args.window, args.steps, args.train_length, args.batch_size = 16, 64, 3, 256, 1
-        args.check_batches, args.pool_size, args.lengths, args.passkey_lengths = 1, 32, [256], [256]
-        args.trials, args.gate_steps, args.calibration_length, args.calibration_samples = 2, 2, 256, 2
+        args.sink, args.window, args.steps, args.train_length, args.batch_size = 4, 16, 2, 128, 1
+        args.check_batches, args.pool_size, args.lengths, args.passkey_lengths = 1, 16, [128], [128]
+        args.trials, args.gate_steps, args.calibration_length, args.calibration_samples = 1, 1, 128, 1
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
