@@ -11,7 +11,7 @@ density; the routers' budget is met on calibration batches, so their density on 
 not set.
 
     PYTHONPATH=. python bench/routers_smollm2.py --model PATH.gguf --out DIR
-    PYTHONPATH=. python bench/routers_smollm2.py --tiny --out /tmp/routers       # CPU check, a few minutes
+    PYTHONPATH=. python bench/routers_smollm2.py --tiny --out /tmp/routers  # CPU check: ~5 min on 2 busy cores
 
 writes DIR/results.json (after every measurement), DIR/fits.json (each router's training log and its check:
 LM loss of trained and untrained routing at the budget), DIR/routers.md (both tables), DIR/head-router and
