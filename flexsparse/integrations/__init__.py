@@ -4,6 +4,7 @@ its saved configuration (needs the ``hf`` extra: ``pip install flexsparse[hf]``)
 
 from flexsparse.integrations.calibration import Calibration, calibrate
 from flexsparse.integrations.kv_cache import SparseKVCache, kv_memory_formula
+from flexsparse.integrations.router_fitting import RouterFit, train_routers
 from flexsparse.integrations.router_trainer import RouterTrainer
 from flexsparse.integrations.routing import (
     fused_routers,
@@ -27,6 +28,7 @@ from flexsparse.integrations.transformers import (
 __all__ = [
     "ATTENTION_NAME",
     "Calibration",
+    "RouterFit",
     "RouterTrainer",
     "SparseKVCache",
     "cache_argument",
@@ -44,5 +46,6 @@ __all__ = [
     "router_parameters",
     "save_config",
     "sparse_generate_cache",
+    "train_routers",
     "training",
 ]
