@@ -44,7 +44,7 @@ from flexsparse.eval.tasks import passkey_prompt
 from flexsparse.eval.text import Corpus
 from flexsparse.integrations.router_trainer import RouterTrainer
 from flexsparse.integrations.routing import last_routings, pooling_mask, routed_layers
-from flexsparse.integrations.serialization import pattern_to_dict, save_config
+from flexsparse.integrations.serialization import save_config
 from flexsparse.integrations.transformers import convert, is_converted, revert
 from flexsparse.masks import Causal, Pattern, SinkWindow
 from flexsparse.routers import SparsityConstraint
@@ -208,7 +208,7 @@ def _check_arguments(model: nn.Module, kind: str, sparse: Pattern, budget: float
     if not isinstance(sparse, Pattern) or sparse.is_full or sparse.is_dynamic:
         raise TypeError(f"sparse must be a static sparse flexsparse Pattern (e.g. SinkWindow(64, 256)), got "
                         f"{sparse!r}")
-    pattern_to_dict(sparse)  # save_config must describe it: fail now, not after training
+    sparse.config()  # save_config must describe it: fail now, not after training
     budget = as_float("budget", budget, minimum=0.0, maximum=1.0)
     if targets is None:
         return {task: 1.0 - budget for task in TASK_NAMES}
@@ -255,7 +255,7 @@ def train_routers(model: nn.Module, tokenizer, out: str | Path, kind: str = "hea
         raise TypeError(f"corpus must be a flexsparse.eval.text.Corpus, got {type(corpus).__name__}")
     out = Path(out)
     device = next(model.parameters()).device
-    settings = {"kind": kind, "sparse": pattern_to_dict(sparse), "budget": budget, "targets": targets,
+    settings = {"kind": kind, "sparse": sparse.config(), "budget": budget, "targets": targets,
                 "steps": steps, "length": length, "batch_size": batch_size, "passkey_share": passkey_share,
                 "check_batches": check_batches, "pool_size": pool_size, "router_lr": router_lr,
                 "lambda_lr": lambda_lr, "backend": backend, "block_size": block_size, "seed": seed}
