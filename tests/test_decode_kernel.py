@@ -655,6 +655,7 @@ def test_gpu_prepared_step_launches_the_compiled_kernels_directly(monkeypatch):
     """After the first step, the split and combine kernels launch without Triton's per-call launch path (counted
     on the JIT functions); a misaligned q still gives the right result (through Triton's path)."""
     runs = []
+    monkeypatch.setattr(decode, "_PLANS", {})  # a fresh plan: one an earlier test launched starts direct
     for kernel in (decode_kernels.decode_split_kernel, decode_kernels.decode_combine_kernel):
         original = kernel.run
         monkeypatch.setattr(kernel, "run", lambda *a, _run=original, **k: runs.append(1) or _run(*a, **k))
