@@ -1,5 +1,5 @@
 """pytest-benchmark suite of the transformers integration on a CUDA GPU (the full report with 128K, batch 8 and
-end-to-end generate() is ``python -m flexsparse.tools.bench_hf``).
+end-to-end generate() is ``flexsparse bench --hf``).
 
 One decode step of one layer at 32K cached tokens (Qwen3-8B-like attention, bf16, rho = 0.75): flexsparse's
 attention function with its sparse KV cache (the default one-launch step, and the per-group calls), all-full SDPA

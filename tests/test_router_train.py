@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from examples.router_proof import TOY, build_model, make_batch, mixed_batch, patterns, run_proof
 from flexsparse.integrations import (
     RouterTrainer,
     convert,
@@ -17,7 +18,6 @@ from flexsparse.integrations import (
     training,
 )
 from flexsparse.routers import CosineAnneal, SparsityConstraint
-from flexsparse.tools.router_proof import TOY, build_model, make_batch, mixed_batch, run_proof
 from tests.hf_util import one_thread, tiny_model  # noqa: F401  (autouse fixture)
 
 CFG = TOY
@@ -26,8 +26,6 @@ CFG = TOY
 def routed_toy(kind="head", seed=0):
     """The proof's toy Llama, random and frozen, with a router per layer."""
     torch.manual_seed(seed)
-    from flexsparse.tools.router_proof import patterns
-
     model = build_model(CFG).eval()
     return convert(model, patterns(CFG), router=kind, router_options={"pool_size": CFG.pool_size, "init_std": 0.2},
                    backend="dense")

@@ -47,9 +47,9 @@ On CUDA (by default; ``one_launch_decode=True`` also under the Triton interprete
 layer's heads form at most two such groups of consecutive heads, the whole step is one call,
 :class:`~flexsparse.kernels.decode.DecodeStep` (prepared once per layer for its buffers): it writes the new token
 into both groups' buffers and attends both (two launches of the compiled kernels, no per-group copies, no cat).
-On an H100 at 131,072 cached tokens (4 layers per step) a layer's step takes 0.070 ms at batch 1 against 0.230 ms
-per group and 0.184 ms for all-full SDPA, 0.397 ms at batch 8 against 0.418 and 1.395 ms, and 0.637 ms at batch 8
-left-padded (one layer per step; ``python -m flexsparse.tools.bench_hf --parts decode``).
+On an H100 at 131,072 cached tokens it is faster than the per-group calls and than all-full SDPA at batch 1
+and 8, left-padded too (the README's decode table, docs/notes/transformers.md; ``python bench/hf_bench.py
+--parts decode``).
 
 Any other padding (a right-padded prompt, padding in a chunk or a decode token) sends decode from then on through
 position masks: SDPA with a boolean mask over the filled slots for full and ring heads, ESA's gather with the

@@ -136,7 +136,7 @@ class SparseAttentionLayer(nn.Module):
         self.groups = cache_groups(list(self.patterns.values()), self.modes, self.attention.executors)
         self.attached = True
         """False once convert or revert replaced this state: caches filled through it refuse further use."""
-        self._staged: list[tuple | None] = [None]  # a holder: nn.Module's __setattr__ costs ~5 us per step
+        self._staged: list[tuple | None] = [None]  # a holder: nn.Module's __setattr__ is slow per step
 
     @property
     def where(self) -> str:

@@ -15,8 +15,8 @@ sequence's modes at prefill; decode steps reuse the decision.
   mix of full and sparse outputs (:func:`~flexsparse.routers.routed_attention`). A forward with fewer queries than
   keys (decode with a cache) reuses the last prefill's modes: the router never sees decode tokens.
 * **Fused inference**: eval-mode routing on CUDA runs the fused Triton kernel (one launch per layer instead of
-  ~200 aten calls: 0.05-0.13 ms per layer on an H100 with host time, against 0.45-1.1 ms); :func:`fused_routers`
-  forces it on (the interpreter too) or off.
+  ~200 aten calls; several times faster on an H100, host time included: docs/notes/routers.md);
+  :func:`fused_routers` forces it on (the interpreter too) or off.
 * **Caches**: per-sequence modes need every key in every head, so routed models decode with a ``DynamicCache``
   (``generate()`` keeps the one it builds; :class:`~flexsparse.SparseKVCache` refuses routed models).
 """

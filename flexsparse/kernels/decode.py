@@ -22,7 +22,7 @@ What bounds it: for long ranges HBM bandwidth (every K and V byte of the range i
 ~``B * Hq * splits * d * 4`` bytes, small beside them); for short ranges (a sink + window ring of a few thousand
 slots) the launch latency of the two kernels and one program's serial latency over its chunk; at batch 1 the host
 (a model's Python around the step, the two launches, the output allocation): on an H100 the step's GPU time at
-131K slots, 0.060 ms, is about its host time.
+131K slots is about its host time (docs/notes/transformers.md).
 
 The same functions in plain PyTorch, :func:`~flexsparse.kernels.decode_reference.ranged_decode_reference` and
 :func:`~flexsparse.kernels.decode_reference.decode_step_reference`, live in

@@ -10,7 +10,8 @@ the w slots). When a block's real rows are not consecutive positions (padding in
 by two, it visits as many tiles per slot as its keys need. The heads of a KV group take neighbouring programs.
 
 16-bit inputs: scores accumulate in fp32; P is rounded to 16 bits once for P @ V, as dense bf16 attention does
-(``KERNEL_CONFIG["forward_split"]`` of :mod:`flexsparse.kernels.esa_launch` splits it too, ~10% slower on the H100).
+(``KERNEL_CONFIG["forward_split"]`` of :mod:`flexsparse.kernels.esa_launch` splits it too, slower on the H100:
+docs/notes/esa-kernel.md).
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 Triton's ``kernel[grid](...)`` re-derives the specialization of every argument on each call (its dtype, whether
 an integer is 1 or a multiple of 16, whether a pointer is 16-byte aligned unless the kernel opts out), hashes it,
-looks the compiled kernel up and then launches it: about 30 us of host time per launch on the H100 machine's CPU,
-half a decode step's budget at batch 1. A :class:`CompiledLaunch` fixes everything but the tensors (their dtypes,
+looks the compiled kernel up and then launches it: on the H100 machine's CPU a large share of a decode step's
+budget at batch 1 (docs/notes/routers.md). A :class:`CompiledLaunch` fixes all but the tensors (their dtypes,
 the integers, the constexprs and the grid are set when it is built), so the specialization can change only
 through the alignment of the tensors Triton specializes on. Its first call with all of them 16-byte aligned goes
 through Triton's own launch (which compiles the kernel if needed) and keeps the compiled kernel it returns; later

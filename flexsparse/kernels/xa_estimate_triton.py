@@ -17,8 +17,8 @@ antidiagonal position) so that loads stream across tile boundaries:
 
 Scores are computed once (a two-pass softmax would compute them twice); the scratch holds block sums, not scores
 (``block_size / stride`` times fewer columns). Rows are processed in equal launches so the scratch stays under
-``_SCRATCH_BYTES`` (1M tokens fit). Programs start with the rows that see the most keys. Measured on an H100
-(docs/notes/xa.md): 389 TFLOP/s at 128K tokens, 4.9% of SDPA's causal forward.
+``_SCRATCH_BYTES`` (1M tokens fit). Programs start with the rows that see the most keys. Its throughput and
+share of SDPA's causal forward on an H100: docs/notes/xa.md.
 
 Selection (:func:`select_blocks_triton`): one program per (batch, head, query block) holds the row's masses in
 registers and finds the mass cut-off of the minimal set by bisection on the float bit patterns (31 masked sums,

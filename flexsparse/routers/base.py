@@ -241,9 +241,9 @@ class Router(nn.Module):
         ``key_padding_mask``). ``fused``: the fused Triton kernel, in eval mode without gradients (one launch:
         the same logits to float32 rounding, the same weights and modes, the modes precomputed in
         ``decided_modes``). None (default): on CUDA where it can run, else the torch path; True: always (on CPU
-        under ``TRITON_INTERPRET=1``), ValueError where it cannot; False: the torch path. On an H100 its kernel
-        takes 0.02 (layer router) to 0.04 ms (head router) of GPU time, the call 0.05-0.13 ms with its host time,
-        against 0.45-1.1 ms through torch (``bench/test_router_bench.py``).
+        under ``TRITON_INTERPRET=1``), ValueError where it cannot; False: the torch path. On an H100 the fused
+        call, host time included, is several times faster than the torch path (``bench/test_router_bench.py``;
+        timings in docs/notes/routers.md).
 
         NaN/inf logits (from NaN/inf states at the pooled tokens, or weights) raise a ValueError on a CPU, and
         on every device with ``check_finite`` (one host sync per call).

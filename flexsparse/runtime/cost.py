@@ -11,12 +11,12 @@ from __future__ import annotations
 from flexsparse.runtime.call import AttentionCall
 
 DENSE_FLOPS_PER_S = 600e12
-"""SDPA's causal attention throughput (cuDNN, 128K: ~565 TFLOP/s)."""
+"""SDPA's causal attention throughput (cuDNN at 128K on the H100: the README's benchmark table)."""
 FLEX_FULL_SPEED = 0.7
-"""flex_attention runs full causal tiles at 0.65-0.71x SDPA's speed."""
+"""flex_attention's speed on full causal tiles as a fraction of SDPA's (H100: the README's benchmarks)."""
 FLEX_PARTIAL_TILE_COST = 9.0
-"""A partial tile in flex costs up to this many full tiles (ESA's mask_mod at 128K: 582 ms at tile density 0.19
-against 345 ms for flex causal)."""
+"""A partial tile in flex costs up to this many full tiles (ESA's mask_mod at tile density 0.19 against flex
+causal at 128K on the H100: the README's benchmark table)."""
 LAUNCH_S = 50e-6
 """The cost of one more group in a plan: a launch and its host time."""
 HBM_BYTES_PER_S = 3e12

@@ -25,8 +25,9 @@ from flexsparse.runtime.call import AttentionCall, GroupModes, HeadSelection
 from flexsparse.runtime.executors import Executor
 
 SECONDS_PER_QUERY_KEY = 13.5e-3 / (131072 * 32 * 64)
-"""The gather kernel's time per (query head, attended key) at head dim 128: 13.5 ms forward at 128K for 32 query
-heads of ``attn_length`` 64 on the H100 (0.87 ms at 8K: the same rate). It scales with the head dim."""
+"""The gather kernel's time per (query head, attended key) at head dim 128: its forward at 128K for 32 query
+heads of ``attn_length`` 64 on the H100, the same rate at 8K (docs/notes/esa-kernel.md); it scales with the
+head dim."""
 
 
 def _runs(call: AttentionCall, heads: HeadSelection, modes: tuple[int, ...]) -> list[tuple[int, int, int]]:

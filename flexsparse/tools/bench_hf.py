@@ -13,13 +13,13 @@ window 2048 heads). Three measurements, every ratio from times taken in the same
    which builds a graph for every decode step's new key length): prefill time, decode tokens per second, peak
    memory.
 
-Run: ``python -m flexsparse.tools.bench_hf --out bench/results`` (about 5 minutes on an H100; sizes are options),
-or ``--smoke`` for toy sizes on the CPU (checks the script, times nothing meaningful). Writes ``hf-bench.json``.
+Run: ``flexsparse bench --hf --out bench/results``, or ``--hf --smoke`` for toy sizes on the CPU (checks the
+script, times nothing meaningful); ``python bench/hf_bench.py`` takes the sizes and parts as options. Writes
+``hf-bench.json``.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import platform
@@ -430,28 +430,3 @@ def _decode_line(row: dict) -> str:
 def _empty_cache(dev: torch.device) -> None:
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m flexsparse.tools.bench_hf", description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="bench/results")
-    parser.add_argument("--smoke", action="store_true", help="toy sizes on the CPU (checks the script)")
-    parser.add_argument("--parts", nargs="+", choices=["decode", "generate"], default=None)
-    parser.add_argument("--decode-seq", type=int, default=None)
-    parser.add_argument("--decode-batches", type=int, nargs="+", default=None)
-    parser.add_argument("--decode-layers", type=int, nargs="+", default=None)
-    parser.add_argument("--decode-padded-batches", type=int, nargs="*", default=None)
-    parser.add_argument("--e2e-seqs", type=int, nargs="+", default=None)
-    parser.add_argument("--e2e-layers", type=int, default=None)
-    parser.add_argument("--new-tokens", type=int, default=None)
-    args = parser.parse_args(argv)
-    cfg = dataclasses.replace(SMOKE) if args.smoke else HfBenchConfig()
-    for name in ("parts", "decode_seq", "decode_batches", "decode_layers", "decode_padded_batches", "e2e_seqs", "e2e_layers", "new_tokens"):
-        if getattr(args, name) is not None:
-            setattr(cfg, name, getattr(args, name))
-    run_hf_bench(cfg, args.out)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

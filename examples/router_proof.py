@@ -32,8 +32,10 @@ CPU runs of 2 layers, hidden 128 at 64-128 tokens confirmed both):
   any modes while retrieval keeps needing a full head on its path, as in the papers' pretrained LLMs whose local
   heads are already local. Without it a full-attention backbone loses the local task under sink+window.
 
-    python -m flexsparse.tools.router_proof --device cuda --out bench/results/router-proof
-    python -m flexsparse.tools.router_proof --toy --out /tmp/router-proof      # CPU, seconds
+    python examples/router_proof.py --device cuda --out bench/results/router-proof
+    python examples/router_proof.py --toy --out /tmp/router-proof      # CPU, seconds
+
+(with flexsparse installed, ``pip install -e ".[hf]"``, or ``PYTHONPATH=.`` from the repository root).
 
 Writes ``router-proof.json`` and ``router-proof.txt`` (a table) into ``--out``. :func:`router_overhead` times one
 layer's routing at long prompts (``--overhead``; CUDA events).
