@@ -223,7 +223,7 @@ class DenseExecutor(Executor):
             for p in patterns:
                 mask = (used if p is None else p).dense(sub)
                 masks.append(mask[:, heads.q_heads] if mask.shape[1] > 1 else mask)
-            allowed, empty = _with_dummy_key(gather_heads(masks, modes.per_head))
+            allowed, empty = _with_dummy_key(gather_heads(masks, modes.q_modes))
             out = F.scaled_dot_product_attention(q[:, :, start:stop], k, v, attn_mask=allowed, scale=call.scale,
                                                  enable_gqa=call.group_size > 1)
             outputs.append(_zero_empty_rows(out, empty))
