@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from flexsparse.kernels.availability import kernels_run_on
+from flexsparse.kernels.availability import kernels_preferred_on
 from flexsparse.kernels.decode_reference import MAX_HEAD_DIM, ranged_decode_reference
 from flexsparse.masks.base import Pattern
 from flexsparse.masks.combine import gather_heads
@@ -162,7 +162,7 @@ class SdpaExecutor(Executor):
         """Slots ``lo[b] <= slot < hi[b]`` (``[B]`` on the device), every one a key the query attends: the ranged
         decode kernel on CUDA (split over the slots, GQA without a K/V copy, no host sync), its PyTorch form
         elsewhere."""
-        if q.is_cuda and q.shape[-1] <= MAX_HEAD_DIM and kernels_run_on(q.device):
+        if q.shape[-1] <= MAX_HEAD_DIM and kernels_preferred_on(q.device):
             from flexsparse.kernels.decode import ranged_decode_attention  # triton: imported where it runs
 
             return ranged_decode_attention(q[:, :, 0], keys, values, lo, hi, scale=scale)[:, :, None]
