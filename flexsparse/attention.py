@@ -145,9 +145,9 @@ class HybridAttention(nn.Module):
         self.default_modes = self._modes.default_tensor(modes).to(self.default_modes.device)
         self._default_mode_tuple = tuple(self.default_modes.tolist())
 
-    def _head_modes(self, q: Tensor, modes: CallModes) -> tuple[Tensor, tuple[int, ...] | None]:
+    def _q_modes(self, q: Tensor, modes: CallModes) -> tuple[Tensor, tuple[int, ...] | None]:
         """Per query-head modes ``[B or 1, H]`` on q's device, and the per-KV-head modes if the host knows them."""
-        return self._modes.head_modes(q, modes, self._default_mode_tuple)
+        return self._modes.q_modes(q, modes, self._default_mode_tuple)
 
     # ----- a call: describe, plan, execute -----------------------------------------------------------------
 
@@ -177,30 +177,30 @@ class HybridAttention(nn.Module):
         call = AttentionCall(q, k, v, self.scale if scale is None else as_float("scale", scale, positive=True),
                              geo, needs_grad, heads)
         planner = self._planner(call)
-        head_modes, host_modes = self._head_modes(q, modes)
+        q_modes, host_modes = self._q_modes(q, modes)
         if len(heads) < self.num_kv_heads:  # a subset of the layer's heads (e.g. one group of a sparse KV cache)
-            head_modes = head_modes[:, self._query_heads(heads, q.device)]
+            q_modes = q_modes[:, self._query_heads(heads, q.device)]
             host_modes = None if host_modes is None else tuple(host_modes[h] for h in heads)
         patterns = self._resolved(call, host_modes)
         groups = planner.groups(call, host_modes)
-        self._last = (geo, patterns, head_modes, groups)  # last_stats works from these when read
-        return execute(groups, call, patterns, head_modes)
+        self._last = (geo, patterns, q_modes, groups)  # last_stats works from these when read
+        return execute(groups, call, patterns, q_modes)
 
     def reference_mask(self, q: Tensor, k: Tensor, modes: CallModes = None, *,
                        key_padding_mask: Tensor | None = None, positions: Positions | None = None) -> Tensor:
         """The dense boolean mask ``[B or 1, H, S_q, S_kv]`` this layer applies to q/k (small sizes only)."""
         geo = self._geometry(q, k, key_padding_mask, positions)
-        head_modes, _ = self._head_modes(q, modes)
+        q_modes, _ = self._q_modes(q, modes)
         patterns = [p.resolve(q, k, geo) for p in self._pattern_list]
-        return gather_heads([p.dense(geo) for p in patterns], head_modes)
+        return gather_heads([p.dense(geo) for p in patterns], q_modes)
 
     @property
     def last_stats(self) -> AttentionStats:
         """MSR, ESR and block density of the last call (computed when read, from the patterns it used)."""
         if self._last is None:
             raise RuntimeError("last_stats is available after a forward call")
-        geo, patterns, head_modes, groups = self._last
-        return call_stats(geo, patterns, head_modes, torch.cat([g.heads.q_heads for g in groups]).sort().values)
+        geo, patterns, q_modes, groups = self._last
+        return call_stats(geo, patterns, q_modes, torch.cat([g.heads.q_heads for g in groups]).sort().values)
 
     def extra_repr(self) -> str:
         modes = [self.pattern_names[i] for i in self._default_mode_tuple]

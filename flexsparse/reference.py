@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from flexsparse.heads import per_query_head
+
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | None = None) -> Tensor:
     """Masked softmax attention.
@@ -18,8 +20,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | None
     """
     groups = q.shape[1] // k.shape[1]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    k64 = k.double().repeat_interleave(groups, dim=1)
-    v64 = v.double().repeat_interleave(groups, dim=1)
+    k64 = per_query_head(k.double(), groups, dim=1)
+    v64 = per_query_head(v.double(), groups, dim=1)
     scores = torch.einsum("bhqd,bhkd->bhqk", q.double(), k64) * scale
     scores = scores.masked_fill(~mask, float("-inf"))
     weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)

@@ -66,7 +66,7 @@ def test_per_call_modes_take_a_list_or_tuple_of_names_or_indices():
                                attn.reference_mask(q, k, torch.tensor([0, 1, 1, 0])))
     from flexsparse.runtime.call import AttentionCall
 
-    _, host = attn._head_modes(q, ["full"] * 4)  # known on the host: planned like default modes
+    _, host = attn._q_modes(q, ["full"] * 4)  # known on the host: planned like default modes
     assert host == (0, 0, 0, 0)
     call = AttentionCall(q, k, v, 0.25, attn._geometry(q, k, None, None), needs_grad=False, kv_heads=(0, 1, 2, 3))
     assert [g.executor.name for g in attn._planners["flex_eager"].groups(call, host)] == ["sdpa"]
@@ -75,7 +75,7 @@ def test_per_call_modes_take_a_list_or_tuple_of_names_or_indices():
 @pytest.mark.parametrize("modes,error,match", [
     ([0, 1, 1], ValueError, r"one entry per KV head \(4\), got 3"),
     (["full", "nope", "ssa", "ssa"], ValueError, "unknown pattern 'nope'"),
-    ([0, 1, 2, 0], ValueError, "indices < 2, got 2"),
+    ([0, 1, 2, 0], ValueError, "KV head 2 must be a pattern name or an index < 2, got 2"),
     ([0, 1.0, 1, 0], ValueError, "got 1.0"),
     ({0: 1}, TypeError, "sequence of pattern names/indices or a tensor"),
 ])

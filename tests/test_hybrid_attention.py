@@ -128,7 +128,7 @@ def test_output_is_causal(seq, cut, modes, block):
         (dict(num_heads=4.0), TypeError, "num_heads"),
         (dict(modes=["full"]), ValueError, "one entry per KV head"),
         (dict(modes=["full", "sparse"]), ValueError, "unknown pattern 'sparse'"),
-        (dict(modes=["full", 7]), ValueError, "indices"),
+        (dict(modes=["full", 7]), ValueError, "KV head 1 must be a pattern name or an index < 3, got 7"),
         (dict(modes="full"), TypeError, "modes"),
         (dict(backend="triton"), ValueError, "backend"),
         (dict(patterns={"full": "causal"}), TypeError, "patterns"),
@@ -242,13 +242,13 @@ def test_one_mode_for_every_head_is_planned_on_the_host():
         torch.testing.assert_close(attn(q, k, v, modes=mode), expected, atol=ATOL, rtol=0)
     from flexsparse.runtime.call import AttentionCall
 
-    _, host = attn._head_modes(q, "full")
+    _, host = attn._q_modes(q, "full")
     assert host == (0, 0, 0, 0)
     call = AttentionCall(q, k, v, 0.25, Geometry(8, 40, block_size=16), needs_grad=False, kv_heads=(0, 1, 2, 3))
     assert [g.executor.name for g in attn._planners["flex_eager"].groups(call, host)] == ["sdpa"]
     with pytest.raises(ValueError, match="unknown pattern 'nope'"):
         attn(q, k, v, modes="nope")
-    with pytest.raises(ValueError, match="modes must be <= 2"):
+    with pytest.raises(ValueError, match="modes must be a pattern name or an index < 3, got 3"):
         attn(q, k, v, modes=3)
 
 

@@ -96,10 +96,10 @@ def test_fused_routers_decide_as_the_torch_path(router):
     model = routed(router=router)
     ids, mask = left_padded([12, 7], seed=3)
     expected_logits, expected_modes = forward(model, ids, mask), decisions(model)
-    assert all(routing.decided_modes is None for routing in last_routings(model))
+    assert all(not routing.fused for routing in last_routings(model))
     with fused_routers(model):
         got_logits = forward(model, ids, mask)
-        assert all(routing.decided_modes is not None for routing in last_routings(model))
+        assert all(routing.fused for routing in last_routings(model))
         assert torch.equal(decisions(model), expected_modes)
         torch.testing.assert_close(got_logits, expected_logits, atol=1e-5, rtol=0)
         for p in model.model.layers[0].self_attn.flexsparse.router.parameters():
@@ -107,7 +107,7 @@ def test_fused_routers_decide_as_the_torch_path(router):
         with pytest.raises(ValueError, match=r"layer 0 .*gradients are enabled and required"):
             model(ids, attention_mask=mask)
     forward(model, ids, mask)
-    assert all(routing.decided_modes is None for routing in last_routings(model))
+    assert all(not routing.fused for routing in last_routings(model))
     with pytest.raises(TypeError, match="enabled must be a bool"):
         with fused_routers(model, enabled=1):
             pass

@@ -159,7 +159,7 @@ def test_fused_routing_matches_torch(kind, dtype, side):
     for batch, seq, heads in ((1, 13, 3), (3, 6, 5), (2, 1, 1)):  # S < 2P, S = 1, odd head counts
         states = torch.randn(batch, seq, heads, 16, generator=gen).to(DEVICE, dtype)
         expected, got = torch_and_fused(router, states, padded(batch, seq, side, gen))
-        assert got.decided_modes is not None and expected.decided_modes is None
+        assert got.fused and not expected.fused
         assert_same_routing(expected, got, 1e-4)
 
 
@@ -215,7 +215,7 @@ def test_modes_and_layer_expansion(full, sparse):
     router = make_router("layer", 16, pool=3, seed=1, full_mode=full, sparse_mode=sparse)
     states = torch.randn(3, 8, 5, 16, generator=gen).to(DEVICE)
     expected, got = torch_and_fused(router, states, None)
-    assert got.logits.shape == (3, 1, 2) and got.decided_modes.shape == (3, 1)
+    assert got.logits.shape == (3, 1, 2) and got.fused and got.modes().shape == (3, 1)
     assert torch.equal(got.modes(4), expected.modes(4)) and got.modes(4).shape == (3, 4)
     assert set(got.modes().flatten().tolist()) <= {full, sparse}
     with torch.no_grad():
@@ -262,17 +262,17 @@ def test_fused_path_is_the_cuda_default_and_refuses_training():
     states = torch.randn(2, 6, 3, 16).to(DEVICE)
     on_cuda = states.device.type == "cuda"
     with torch.no_grad():
-        assert (router.route(states).decided_modes is not None) == on_cuda
-        assert router.route(states, fused=False).decided_modes is None
-        assert router.route(states, fused=True).decided_modes is not None
+        assert router.route(states).fused == on_cuda
+        assert not router.route(states, fused=False).fused
+        assert router.route(states, fused=True).fused
     with pytest.raises(ValueError, match="gradients"):
         router.route(states, fused=True)  # gradients enabled and the weights require them
-    assert router.route(states).decided_modes is None  # the default falls back to torch
+    assert not router.route(states).fused  # the default falls back to torch
     router.train()
     with torch.no_grad(), pytest.raises(ValueError, match="training"):
         router.route(states, fused=True)
     with torch.no_grad():
-        assert router.route(states).decided_modes is None
+        assert not router.route(states).fused
 
 
 # ----- the model integration: one boundary per forward ---------------------------------------------------------

@@ -25,6 +25,7 @@ from flexsparse.attention import HybridAttention
 from flexsparse.integrations.layer import SparseAttentionLayer, cache_groups
 from flexsparse.masks import Pattern
 from flexsparse.masks.geometry import Geometry, Positions
+from flexsparse.runtime.modes import mode_index
 from flexsparse.validation import as_int
 
 
@@ -229,10 +230,7 @@ def rank_tiles(patterns: Mapping[str, Pattern] | Sequence[Mapping[str, Pattern]]
         group = num_heads // kv
         tiles: dict[int, Tensor] = {}
         for head, mode in enumerate(layer_modes):
-            if isinstance(mode, str) and mode not in layer_patterns:
-                raise ValueError(f"modes for layer {index}, KV head {head} names unknown pattern {mode!r}; "
-                                 f"known: {names}")
-            mode = names.index(mode) if isinstance(mode, str) else as_int("mode", mode, 0, len(names) - 1)
+            mode = mode_index(names, mode, f"modes for layer {index}, KV head {head}")
             if mode not in tiles:
                 pattern = layer_patterns[names[mode]]
                 if pattern.is_dynamic:

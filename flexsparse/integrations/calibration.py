@@ -45,6 +45,7 @@ from transformers.modeling_utils import AttentionInterface
 from flexsparse.attention import HybridAttention
 from flexsparse.eval.tasks import passkey_prompt
 from flexsparse.eval.text import Corpus
+from flexsparse.heads import per_query_head
 from flexsparse.integrations.serialization import save_config
 from flexsparse.integrations.transformers import attention_layers, convert, is_converted, layer_heads, revert
 from flexsparse.masks import Causal, Pattern, SinkWindow
@@ -93,7 +94,7 @@ def _gated_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
     gates: _LayerGates = module.flexsparse_gates
     full, _ = sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling, **kwargs)
     sparse = gates.attention(query, key, value, modes="sparse", scale=scaling).transpose(1, 2)  # [B, S, H, d]
-    mix = gates.values().repeat_interleave(query.shape[1] // key.shape[1]).to(full.dtype)[None, None, :, None]
+    mix = per_query_head(gates.values(), query.shape[1] // key.shape[1], dim=0).to(full.dtype)[None, None, :, None]
     return sparse + mix * (full - sparse), None
 
 

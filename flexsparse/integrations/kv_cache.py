@@ -78,7 +78,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from flexsparse.integrations.forward_mask import ForwardMask
 from flexsparse.integrations.layer import CacheGroup, SparseAttentionLayer, sparse_layers
-from flexsparse.kernels.availability import kernels_run_on
+from flexsparse.kernels.availability import kernels_preferred_on, kernels_run_on
 from flexsparse.kernels.decode_reference import MAX_HEAD_DIM, DecodeGroup
 from flexsparse.masks import Positions, SinkWindow
 from flexsparse.runtime.buckets import kv_bucket
@@ -564,7 +564,7 @@ class SparseKVLayer(CacheLayerMixin):
     def _one_launch_on(self, device: torch.device) -> bool:
         """Whether this layer's decode steps on ``device`` run as one kernel call (see ``one_launch_decode``)."""
         if self.one_launch_decode is None:
-            return device.type == "cuda" and kernels_run_on(device)
+            return kernels_preferred_on(device)
         return self.one_launch_decode and kernels_run_on(device)
 
     # ----- transformers' Cache protocol ---------------------------------------------------------------------

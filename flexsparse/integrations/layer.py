@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from flexsparse.attention import HybridAttention
+from flexsparse.heads import query_heads
 from flexsparse.masks import Pattern, SinkWindow
 from flexsparse.routers import Router, Routing
 from flexsparse.runtime.executors import Executor
@@ -73,7 +74,7 @@ class CacheGroup:
 
     def q_heads(self, group_size: int) -> list[int]:
         """The query heads of these KV heads (GQA groups of ``group_size``)."""
-        return [h * group_size + i for h in self.kv_heads for i in range(group_size)]
+        return query_heads(self.kv_heads, group_size)
 
 
 _KIND_ORDER = {"full": 0, "keep": 2, "ring": 3}  # an executor's own kind between full and keep

@@ -41,6 +41,7 @@ from flexsparse.integrations.routing import (
     router_factory,
 )
 from flexsparse.masks import Pattern
+from flexsparse.runtime.modes import mode_index
 from flexsparse.validation import as_int
 
 ATTENTION_NAME = "flexsparse"
@@ -251,20 +252,8 @@ def _layer_modes(modes, patterns: list[Mapping[str, Pattern]], kv_heads: list[in
             raise ValueError(f"modes for layer {index} has {len(layer_modes)} entries, layer {index} has {heads} "
                              "KV heads")
         names = list(layer_patterns)
-        indices = []
-        for head, mode in enumerate(layer_modes):
-            if isinstance(mode, str):
-                if mode not in layer_patterns:
-                    raise ValueError(f"modes for layer {index}, KV head {head} names unknown pattern {mode!r}; "
-                                     f"known: {names}")
-                indices.append(names.index(mode))
-            else:
-                try:
-                    indices.append(as_int("mode", mode, minimum=0, maximum=len(names) - 1))
-                except (TypeError, ValueError):
-                    raise ValueError(f"modes for layer {index}, KV head {head} must be a pattern name or an index "
-                                     f"< {len(names)}, got {mode!r}") from None
-        result.append(indices)
+        result.append([mode_index(names, mode, f"modes for layer {index}, KV head {head}")
+                       for head, mode in enumerate(layer_modes)])
     return result
 
 

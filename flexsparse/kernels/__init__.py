@@ -13,5 +13,5 @@
   its non-tensor arguments fixed).
 
 Nothing here imports :mod:`flexsparse.masks` (masks may import kernels). triton is optional: the Triton modules are
-imported only where a kernel runs, and :func:`flexsparse.kernels.availability.kernels_run_on` is the one check of
-whether one can."""
+imported only where a kernel runs; :mod:`flexsparse.kernels.availability` is the one place that asks whether one can
+(``kernels_run_on``) and whether a path that chooses for itself takes it (``kernels_preferred_on``)."""

@@ -49,3 +49,10 @@ def kernels_run_on(device: torch.device | str) -> bool:
     """Whether flexsparse's Triton kernels run on ``device``: CUDA with triton installed, or any device under the
     Triton interpreter."""
     return kernel_unavailable(device) is None
+
+
+def kernels_preferred_on(device: torch.device | str) -> bool:
+    """Whether the paths that choose for themselves (``backend="auto"``, the default decode and ESA executors)
+    take the Triton kernels on ``device``: on CUDA where they run. Under the interpreter on CPU the kernels run
+    (:func:`kernels_run_on`) only where a caller asks for them: it is slow, for tests."""
+    return torch.device(device).type == "cuda" and kernels_run_on(device)

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from flexsparse.kernels.availability import kernels_run_on
+from flexsparse.kernels.availability import kernels_preferred_on
 from flexsparse.kernels.xa_args import check_estimate_args
 
 Backend = Literal["auto", "torch", "triton"]
@@ -124,7 +124,7 @@ def antidiagonal_block_mass(q: Tensor, k: Tensor, stride: int, block_size: int, 
     if backend != "torch":
         check_estimate_args(q, k, stride, block_size, q_start, kv_valid_len)
         use_triton = backend == "triton"
-        if backend == "auto" and q.is_cuda and kernels_run_on(q.device):  # else the compiled torch path
+        if backend == "auto" and kernels_preferred_on(q.device):  # else the compiled torch path
             from flexsparse.kernels.xa_estimate_triton import triton_supports
 
             use_triton = triton_supports(q, stride, block_size) is None

@@ -40,7 +40,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from flexsparse.kernels.availability import kernels_run_on
+from flexsparse.kernels.availability import kernels_preferred_on
 from flexsparse.kernels.xa_args import check_estimate_args
 from flexsparse.kernels.xa_estimate import Backend, antidiagonal_block_mass
 from flexsparse.validation import as_int
@@ -142,7 +142,7 @@ def select_blocks(mass: Tensor, threshold: Tensor | float, *, rule: Rule = "plus
     """
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
-    use_triton = backend == "triton" or (backend == "auto" and mass.is_cuda and kernels_run_on(mass.device))
+    use_triton = backend == "triton" or (backend == "auto" and kernels_preferred_on(mass.device))
     if not use_triton:
         return select_blocks_torch(mass, threshold, rule=rule, q_len=q_len, kv_len=kv_len, block_size=block_size,
                                    q_start=q_start, kv_valid_len=kv_valid_len)

@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from flexsparse.kernels.availability import kernel_unavailable
+from flexsparse.kernels.availability import kernel_unavailable, kernels_preferred_on
 from flexsparse.routers.pooling import (
     DEFAULT_POOL_SIZE,
     Boundary,
@@ -63,8 +63,14 @@ class Routing:
     weights: Tensor
     full_mode: int
     sparse_mode: int
-    decided_modes: Tensor | None = field(default=None, repr=False)
-    """int64 ``[B, G]``: the modes the fused inference kernel wrote with the weights (None: derived from them)."""
+    _modes: Tensor | None = field(default=None, repr=False)
+    """int64 ``[B, G]``: the modes the fused inference kernel wrote with the weights (None: :meth:`modes` derives
+    them from the weights)."""
+
+    @property
+    def fused(self) -> bool:
+        """Whether the fused inference kernel made this routing (its modes written by the kernel)."""
+        return self._modes is not None
 
     @property
     def sparse_weight(self) -> Tensor:
@@ -80,7 +86,7 @@ class Routing:
         """Per-call modes for HybridAttention, int64 ``[B, H_kv]``: ``sparse_mode`` or ``full_mode`` per KV head.
 
         ``num_kv_heads`` expands a layer router's single decision (G = 1) to every KV head; for a head router it
-        must equal G when given. With ``decided_modes`` (the fused kernel's), those, expanded for a layer router
+        must equal G when given. A fused routing returns the modes its kernel wrote, expanded for a layer router
         (a view: do not write to it).
         """
         shape = None  # [B, H_kv] to expand a layer router's decision to
@@ -91,8 +97,8 @@ class Routing:
                 shape = (batch, num_kv_heads)
             elif groups != num_kv_heads:
                 raise ValueError(f"num_kv_heads ({num_kv_heads}) differs from the router's {groups} KV heads")
-        if self.decided_modes is not None:
-            return self.decided_modes if shape is None else self.decided_modes.expand(shape)
+        if self._modes is not None:
+            return self._modes if shape is None else self._modes.expand(shape)
         decision = self.is_sparse if shape is None else self.is_sparse.expand(shape)
         full = torch.full_like(decision, self.full_mode, dtype=torch.long)
         return torch.where(decision, self.sparse_mode, full)
@@ -239,8 +245,8 @@ class Router(nn.Module):
 
         ``boundary``: the pooled slots, precomputed once per forward for every layer (instead of
         ``key_padding_mask``). ``fused``: the fused Triton kernel, in eval mode without gradients (one launch:
-        the same logits to float32 rounding, the same weights and modes, the modes precomputed in
-        ``decided_modes``). None (default): on CUDA where it can run, else the torch path; True: always (on CPU
+        the same logits to float32 rounding, the same weights and modes, the modes written by the kernel:
+        ``Routing.fused``). None (default): on CUDA where it can run, else the torch path; True: always (on CPU
         under ``TRITON_INTERPRET=1``), ValueError where it cannot; False: the torch path. On an H100 the fused
         call, host time included, is several times faster than the torch path (``bench/test_router_bench.py``;
         timings in docs/notes/routers.md).
@@ -248,7 +254,7 @@ class Router(nn.Module):
         NaN/inf logits (from NaN/inf states at the pooled tokens, or weights) raise a ValueError on a CPU, and
         on every device with ``check_finite`` (one host sync per call).
         """
-        if fused or (fused is None and states.device.type == "cuda"):
+        if fused or (fused is None and kernels_preferred_on(states.device)):
             routing = self._route_fused(states, key_padding_mask, boundary)
             if isinstance(routing, Routing):
                 self._check_logits(routing.logits, states, key_padding_mask, boundary)

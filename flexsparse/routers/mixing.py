@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from flexsparse.attention import HybridAttention
+from flexsparse.heads import per_query_head
 from flexsparse.routers.base import Routing
 
 
@@ -49,7 +50,7 @@ def mix_full_sparse(attn: HybridAttention, q: Tensor, k: Tensor, v: Tensor, rout
     full = attn(q, k, v, modes=routing.full_mode, **attn_kwargs)  # one mode for every head: planned on the host
     sparse = attn(q, k, v, modes=routing.sparse_mode, **attn_kwargs)
     weight = routing.sparse_weight.to(full.dtype)  # [B, G]
-    weight = weight.expand(batch, attn.num_kv_heads).repeat_interleave(attn.num_heads // attn.num_kv_heads, dim=1)
+    weight = per_query_head(weight.expand(batch, attn.num_kv_heads), attn.num_heads // attn.num_kv_heads, dim=1)
     weight = weight[:, :, None, None]
     return (1 - weight) * full + weight * sparse
 

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from flexsparse.attention import HybridAttention
+from flexsparse.heads import per_query_head
 from flexsparse.masks.base import Pattern
 from flexsparse.masks.window import Causal
 from flexsparse.validation import as_float, as_int
@@ -115,7 +116,7 @@ def retrieval_scores(q: Tensor, k: Tensor, needle_mask: Tensor, *, key_padding_m
         raise ValueError("key_padding_mask has a sequence without real tokens")
     scale = dim**-0.5 if scale is None else as_float("scale", scale, positive=True)
     query = q[torch.arange(batch, device=q.device), :, last].float()  # [B, H, d]
-    keys = k.float().repeat_interleave(heads // kv_heads, dim=1)  # [B, H, S, d]
+    keys = per_query_head(k.float(), heads // kv_heads, dim=1)  # [B, H, S, d]
     scores = torch.einsum("bhd,bhsd->bhs", query, keys) * scale
     visible = real & (torch.arange(seq, device=q.device) <= last[:, None])
     weights = scores.masked_fill(~visible[:, None], float("-inf")).softmax(-1)

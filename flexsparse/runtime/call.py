@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from flexsparse.heads import query_heads
 from flexsparse.masks.geometry import Geometry
 
 
@@ -46,8 +47,8 @@ class HeadSelection:
     def of(cls, kv_heads: tuple[int, ...], call: AttentionCall, num_kv_heads: int) -> HeadSelection:
         """Heads ``kv_heads`` (indices into the call's KV heads) of a call, in a layer of ``num_kv_heads``."""
         group, device = call.group_size, call.q.device
-        local_q = [h * group + i for h in kv_heads for i in range(group)]
-        layer_q = [call.kv_heads[h] * group + i for h in kv_heads for i in range(group)]
+        local_q = query_heads(kv_heads, group)
+        layer_q = query_heads([call.kv_heads[h] for h in kv_heads], group)
         return cls(kv_heads, _index(local_q, device), _index(list(kv_heads), device),
                    torch.tensor(layer_q, dtype=torch.long, device=device),
                    tuple(call.kv_heads[h] for h in kv_heads) == tuple(range(num_kv_heads)))
@@ -65,10 +66,10 @@ def _index(heads: list[int], device: torch.device) -> slice | Tensor:
 
 @dataclass(frozen=True, eq=False)
 class GroupModes:
-    """Which pattern each selected head runs: ``per_head`` int ``[B or 1, H_sel]`` (query heads, on the device),
+    """Which pattern each selected head runs: ``q_modes`` int ``[B or 1, H_sel]`` (query heads, on the device),
     and ``host``, the modes of the selected KV heads when the host knows them (default modes), else None."""
 
-    per_head: Tensor
+    q_modes: Tensor
     host: tuple[int, ...] | None
 
     @property

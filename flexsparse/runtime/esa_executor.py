@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from flexsparse.kernels.availability import kernels_run_on
+from flexsparse.kernels.availability import kernels_preferred_on
 from flexsparse.kernels.esa_reference import esa_attention_reference, supports_head_dim
 from flexsparse.masks.base import Pattern
 from flexsparse.runtime.call import AttentionCall, GroupModes, HeadSelection
@@ -67,7 +67,7 @@ class EsaExecutor(Executor):
 
     def accepts(self, pattern: Pattern, call: AttentionCall) -> bool:
         device = call.q.device
-        return (pattern.name in self.pattern_names and device.type == "cuda" and kernels_run_on(device)
+        return (pattern.name in self.pattern_names and kernels_preferred_on(device)
                 and supports_head_dim(call.q.shape[-1]))
 
     def cost(self, patterns, call):
@@ -104,7 +104,7 @@ class EsaExecutor(Executor):
         against the filled cache slots ``keys``/``values`` ``[B, len(kv_heads), S, d]``; ``q_positions`` and
         ``key_slots`` as :func:`~flexsparse.kernels.esa.esa_attention` takes them (None: slot t holds position t).
         One call per run of consecutive KV heads (the kernel takes whole KV groups of the layer's heads)."""
-        if q.is_cuda and supports_head_dim(q.shape[-1]) and kernels_run_on(q.device):
+        if supports_head_dim(q.shape[-1]) and kernels_preferred_on(q.device):
             from flexsparse.kernels.esa import esa_attention as attend  # triton: imported where it runs
         else:
             attend = esa_attention_reference

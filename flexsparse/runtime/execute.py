@@ -12,12 +12,12 @@ from flexsparse.runtime.plan import HeadGroup
 
 
 def execute(groups: Sequence[HeadGroup], call: AttentionCall, patterns: Sequence[Pattern | None],
-            head_modes: Tensor) -> Tensor:
-    """Output ``[B, H, S_q, d]`` of the call's query heads; ``head_modes`` ``[B or 1, H]`` per query head."""
+            q_modes: Tensor) -> Tensor:
+    """Output ``[B, H, S_q, d]`` of the call's query heads; ``q_modes`` ``[B or 1, H]`` per query head."""
     if len(groups) == 1:
         group = groups[0]
-        return group.executor.run(call, patterns, GroupModes(head_modes, group.host_modes), group.heads)
-    results = [(group, group.executor.run(call, patterns, GroupModes(head_modes[:, group.heads.q_index],
+        return group.executor.run(call, patterns, GroupModes(q_modes, group.host_modes), group.heads)
+    results = [(group, group.executor.run(call, patterns, GroupModes(q_modes[:, group.heads.q_index],
                                                                       group.host_modes), group.heads))
                for group in groups]
     return assemble(results, call.q.shape[1])

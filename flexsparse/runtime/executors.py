@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from flexsparse.kernels.availability import kernels_run_on
+from flexsparse.kernels.availability import kernels_preferred_on
 from flexsparse.kernels.decode_reference import MAX_HEAD_DIM, ranged_decode_reference
 from flexsparse.masks.base import Pattern
 from flexsparse.masks.combine import gather_heads
@@ -163,7 +163,7 @@ class SdpaExecutor(Executor):
         """Slots ``lo[b] <= slot < hi[b]`` (``[B]`` on the device), every one a key the query attends: the ranged
         decode kernel on CUDA (split over the slots, GQA without a K/V copy, no host sync), its PyTorch form
         elsewhere."""
-        if q.is_cuda and q.shape[-1] <= MAX_HEAD_DIM and kernels_run_on(q.device):
+        if q.shape[-1] <= MAX_HEAD_DIM and kernels_preferred_on(q.device):
             from flexsparse.kernels.decode import ranged_decode_attention  # triton: imported where it runs
 
             return ranged_decode_attention(q[:, :, 0], keys, values, lo, hi, scale=scale)[:, :, None]
@@ -224,7 +224,7 @@ class DenseExecutor(Executor):
             for p in patterns:
                 mask = (used if p is None else p).dense(sub)
                 masks.append(mask[:, heads.q_heads] if mask.shape[1] > 1 else mask)
-            allowed, empty = _with_dummy_key(gather_heads(masks, modes.per_head))
+            allowed, empty = _with_dummy_key(gather_heads(masks, modes.q_modes))
             out = F.scaled_dot_product_attention(q[:, :, start:stop], k, v, attn_mask=allowed, scale=call.scale,
                                                  enable_gqa=call.group_size > 1)
             outputs.append(_zero_empty_rows(out, empty))

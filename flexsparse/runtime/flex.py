@@ -112,7 +112,7 @@ class FlexExecutor(Executor):
             rows = slice(start, start + size)
             geo = _batch_rows(call.geometry, start, size)
             part_patterns = [self._part_pattern(i, p, call, rows, geo) for i, p in enumerate(patterns)]
-            part_modes = GroupModes(modes.per_head[rows] if modes.per_head.shape[0] > 1 else modes.per_head,
+            part_modes = GroupModes(modes.q_modes[rows] if modes.q_modes.shape[0] > 1 else modes.q_modes,
                                     modes.host)
             outputs.append(self._run_part(geo, q[rows], k[rows], v[rows], part_patterns, part_modes, heads,
                                           call.scale, call.needs_grad))
@@ -204,9 +204,9 @@ class FlexExecutor(Executor):
             stack = cache.stack
         else:
             stack = BlockMaskStack.from_masks(masks, geo.num_heads)
-        per_head = modes.per_head
+        q_modes = modes.q_modes
         subset = None if heads.is_all else heads.q_heads
-        composed = stack.select(per_head, dispatch_mask_mod(mods, per_head, subset), heads=subset,
+        composed = stack.select(q_modes, dispatch_mask_mod(mods, q_modes, subset), heads=subset,
                                 with_backward=needs_grad or modes.host is not None)
         if cacheable and modes.host is not None:
             cache.composed[key] = composed

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from flexsparse.heads import query_heads
 from flexsparse.masks.geometry import Geometry, Positions
 from flexsparse.validation import as_int
 
@@ -32,7 +33,7 @@ class QueryHeadIndex:
         self._tensors: dict[tuple, Tensor] = {}
 
     def __call__(self, kv_heads: tuple[int, ...], device: torch.device) -> slice | Tensor:
-        rows = [h * self.group_size + i for h in kv_heads for i in range(self.group_size)]
+        rows = query_heads(kv_heads, self.group_size)
         if rows == list(range(rows[0], rows[-1] + 1)):
             return slice(rows[0], rows[-1] + 1)
         key = (kv_heads, device)

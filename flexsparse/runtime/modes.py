@@ -2,6 +2,16 @@
 
 Modes the host knows (default modes, one name or index, a list of them) are planned per head; a tensor of modes
 (a router's decision, ``[H_kv]`` or ``[B, H_kv]`` on q's device) is never read on the host.
+
+The names used across flexsparse (one meaning each):
+
+- ``modes``: the pattern index of each KV head, ``[H_kv]`` or ``[B, H_kv]`` (the public ``modes`` arguments,
+  ``HybridAttention.default_modes``, ``Routing.modes()``);
+- ``host_modes``: the same as a tuple the host knows (None when the modes are a device tensor);
+- ``q_modes``: the modes expanded to each query head, int ``[B or 1, H]`` on the device (what the executors and
+  the composed masks read; :func:`flexsparse.heads.per_query_head`);
+- ``full_mode`` / ``sparse_mode``: one pattern index (a router's two choices);
+- ``PerHead.modes``: the pattern combinator's own per-head indices, over the heads of its geometry.
 """
 
 from __future__ import annotations
@@ -13,8 +23,8 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor
 
+from flexsparse.heads import per_query_head
 from flexsparse.masks.base import Pattern
-from flexsparse.validation import as_int
 
 CallModes = Tensor | int | str | Sequence[str | int] | None
 """Per-call modes: None (the defaults), an int tensor ``[H_kv]`` / ``[B, H_kv]``, one name or index for every head,
@@ -33,12 +43,24 @@ def as_pattern_dict(patterns: Mapping[str, Pattern] | Pattern) -> OrderedDict[st
     return OrderedDict(patterns)
 
 
+def mode_index(names: Sequence[str], mode: object, where: str = "modes") -> int:
+    """One mode, a pattern name or an index into ``names``, as the index; a ValueError naming ``where`` (e.g.
+    ``"modes for layer 0, KV head 1"``) for an unknown name or anything else."""
+    if isinstance(mode, str):
+        if mode not in names:
+            raise ValueError(f"{where} names unknown pattern {mode!r}; known: {list(names)}")
+        return list(names).index(mode)
+    if isinstance(mode, bool) or not isinstance(mode, numbers.Integral) or not 0 <= mode < len(names):
+        raise ValueError(f"{where} must be a pattern name or an index < {len(names)}, got {mode!r}")
+    return int(mode)
+
+
 class ModeTable:
     """Modes of a layer of ``num_kv_heads`` KV heads (GQA groups of ``group_size`` query heads) over ``names``."""
 
     def __init__(self, names: Sequence[str], num_kv_heads: int, group_size: int) -> None:
         self.names, self.num_kv_heads, self.group_size = list(names), num_kv_heads, group_size
-        self._head_modes: dict[tuple, Tensor] = {}  # (device, host modes) -> per query head modes
+        self._q_modes: dict[tuple, Tensor] = {}  # (device, host modes) -> q_modes
 
     def default_tensor(self, modes: Sequence[str | int] | Tensor | None) -> Tensor:
         """Default modes as an int64 CPU tensor ``[H_kv]`` (all the first pattern if None)."""
@@ -57,25 +79,7 @@ class ModeTable:
             raise TypeError(f"modes must be a sequence of pattern names/indices or a tensor, got {type(modes).__name__}")
         if len(modes) != self.num_kv_heads:
             raise ValueError(f"modes must have one entry per KV head ({self.num_kv_heads}), got {len(modes)}")
-        indices = []
-        for m in modes:
-            if isinstance(m, str):
-                indices.append(self.index(m))
-            else:
-                try:
-                    indices.append(as_int("modes entry", m, minimum=0, maximum=len(self.names) - 1))
-                except (TypeError, ValueError):
-                    raise ValueError(f"modes entries must be pattern names or indices < {len(self.names)}, "
-                                     f"got {m!r}") from None
-        return tuple(indices)
-
-    def index(self, mode: str | int) -> int:
-        """One mode by pattern name or index."""
-        if isinstance(mode, str):
-            if mode not in self.names:
-                raise ValueError(f"modes names unknown pattern {mode!r}; known: {self.names}")
-            return self.names.index(mode)
-        return as_int("modes", mode, minimum=0, maximum=len(self.names) - 1)
+        return tuple(mode_index(self.names, m, f"modes for KV head {head}") for head, m in enumerate(modes))
 
     def check_tensor(self, modes: Tensor, batch: int | None) -> Tensor:
         if not isinstance(modes, Tensor):
@@ -91,8 +95,8 @@ class ModeTable:
             raise ValueError(f"modes must index the {len(self.names)} patterns, got {modes.unique().tolist()}")
         return modes
 
-    def head_modes(self, q: Tensor, modes: CallModes,
-                   default: tuple[int, ...]) -> tuple[Tensor, tuple[int, ...] | None]:
+    def q_modes(self, q: Tensor, modes: CallModes,
+                default: tuple[int, ...]) -> tuple[Tensor, tuple[int, ...] | None]:
         """Per query-head modes ``[B or 1, H]`` on q's device, and the per-KV-head modes if the host knows them
         (``default`` for None, one name or index, or a list of them: planned alike; a tensor is not read on the
         host)."""
@@ -100,17 +104,17 @@ class ModeTable:
             if modes is None:
                 host = default
             elif isinstance(modes, (str, numbers.Integral)):
-                host = (self.index(modes),) * self.num_kv_heads
+                host = (mode_index(self.names, modes),) * self.num_kv_heads
             else:
                 host = self.host(modes)
-            cached = self._head_modes.get((q.device, host))
+            cached = self._q_modes.get((q.device, host))
             if cached is None:
-                cached = torch.tensor(host, device=q.device)[None].repeat_interleave(self.group_size, dim=1)
-                self._head_modes[(q.device, host)] = cached
+                cached = per_query_head(torch.tensor(host, device=q.device)[None], self.group_size, dim=1)
+                self._q_modes[(q.device, host)] = cached
             return cached, host
-        kv_modes = self.check_tensor(modes, q.shape[0])
-        if kv_modes.device != q.device:
-            raise ValueError(f"modes is on {kv_modes.device} but q is on {q.device}")
-        if kv_modes.dim() == 1:
-            kv_modes = kv_modes[None]
-        return kv_modes.long().repeat_interleave(self.group_size, dim=1), None
+        modes = self.check_tensor(modes, q.shape[0])
+        if modes.device != q.device:
+            raise ValueError(f"modes is on {modes.device} but q is on {q.device}")
+        if modes.dim() == 1:
+            modes = modes[None]
+        return per_query_head(modes.long(), self.group_size, dim=1), None

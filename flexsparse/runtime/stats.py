@@ -31,20 +31,20 @@ class AttentionStats:
         return {"msr": float(self.msr), "esr": float(self.esr), "block_density": float(self.block_density)}
 
 
-def call_stats(geo: Geometry, patterns: Sequence[Pattern | None], head_modes: Tensor,
+def call_stats(geo: Geometry, patterns: Sequence[Pattern | None], q_modes: Tensor,
                q_heads: Tensor) -> AttentionStats:
     """Statistics of a call at ``geo`` whose query heads ``q_heads`` (the layer's ids, ascending) ran modes
-    ``head_modes`` ``[B or 1, len(q_heads)]`` over ``patterns`` (None: a mode no head used)."""
+    ``q_modes`` ``[B or 1, len(q_heads)]`` over ``patterns`` (None: a mode no head used)."""
     used = next(p for p in patterns if p is not None)
     patterns = [used if p is None else p for p in patterns]  # unused modes are never selected
     rows = lambda t: t if t.shape[1] == 1 else t[:, q_heads]  # the call's heads of per-head patterns
     masks = [p.block_mask(geo) for p in patterns]
-    composed = BlockMaskStack.from_masks(masks, geo.num_heads).select(head_modes, masks[0].mask_mod, heads=q_heads)
-    sparse = torch.tensor([not p.is_full for p in patterns], device=head_modes.device)
-    attended = gather_heads([rows(p.attended(geo)).sum(-1, keepdim=True) for p in patterns], head_modes)[..., 0]
+    composed = BlockMaskStack.from_masks(masks, geo.num_heads).select(q_modes, masks[0].mask_mod, heads=q_heads)
+    sparse = torch.tensor([not p.is_full for p in patterns], device=q_modes.device)
+    attended = gather_heads([rows(p.attended(geo)).sum(-1, keepdim=True) for p in patterns], q_modes)[..., 0]
     causal_pairs = (geo.q_positions() + 1).clamp(min=0).sum(-1, keepdim=True)  # [B', 1]; 0: padding only
     return AttentionStats(
-        msr=model_sparsity_ratio(sparse[head_modes], counted=causal_pairs > 0),
+        msr=model_sparsity_ratio(sparse[q_modes], counted=causal_pairs > 0),
         esr=effective_sparsity_ratio(attended, causal_pairs),
         block_density=block_density(composed, geo),
     )

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 import flexsparse.runtime.compiled
 from flexsparse.attention import HybridAttention
+from flexsparse.heads import per_query_head
 from flexsparse.kernels.availability import triton_version
 from flexsparse.masks import ESA, Causal, Geometry, SinkWindow, XAttention
 from flexsparse.masks.blocks import BlockMaskStack, block_density
@@ -181,9 +182,9 @@ def bench_mode_switch(seq: int, routings: int = 100) -> dict:
     geo = Geometry(HEADS, seq, device="cuda")
     masks = [p.block_mask(geo) for p in patterns.values()]
     stack = BlockMaskStack.from_masks(masks, HEADS)
-    head_modes = modes[1].repeat_interleave(HEADS // KV_HEADS)[None]
-    switch_ms = cuda_time_ms(lambda: stack.select(head_modes, masks[0].mask_mod, with_backward=False))
-    train_switch_ms = cuda_time_ms(lambda: stack.select(head_modes, masks[0].mask_mod))
+    q_modes = per_query_head(modes[1], HEADS // KV_HEADS, dim=0)[None]
+    switch_ms = cuda_time_ms(lambda: stack.select(q_modes, masks[0].mask_mod, with_backward=False))
+    train_switch_ms = cuda_time_ms(lambda: stack.select(q_modes, masks[0].mask_mod))
     return dict(seq=seq, routings=routings, recompiles=recompiles, routed_call_ms=routed_ms,
                 mode_switch_ms=switch_ms, mode_switch_with_backward_ms=train_switch_ms)
 

@@ -80,8 +80,8 @@ def run_demo(device: str | None = None, backend: str | None = None, seq: int | N
         stats = attn.last_stats.as_dict()
         err = (out.float() - reference(q, k, v, attn.reference_mask(q, k, call_modes)).float()).abs().max().item()
         ms = _time_ms(lambda: attn(q, k, v, modes=call_modes), dev)
-        kv_modes = call_modes if call_modes is not None else attn.default_modes
-        label = "".join("F" if m == 0 else "S" for m in kv_modes.tolist())
+        ran = call_modes if call_modes is not None else attn.default_modes
+        label = "".join("F" if m == 0 else "S" for m in ran.tolist())
         row = dict(config=name, modes=label, **stats, max_err=err, ms=ms, vs_sdpa=ms / sdpa_ms)
         rows.append(row)
         print(f"{name:<22} {label:<34} {stats['block_density']:>8.3f} {stats['msr']:>6.2f} {stats['esr']:>6.3f} "

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
+from flexsparse.heads import per_query_head
 from flexsparse.masks.base import Pattern
 from flexsparse.masks.combine import PerHead, PerLayer
 from flexsparse.validation import as_int
@@ -25,18 +26,18 @@ def layer_pattern(layer) -> Pattern:
     if isinstance(layer, tuple) and len(layer) == 2 and isinstance(layer[0], HybridAttention):
         layer, modes = layer
     if isinstance(layer, HybridAttention):
-        kv_modes = layer.default_modes if modes is None else torch.as_tensor(modes).cpu()
-        if kv_modes.dim() == 2:
-            if kv_modes.shape[0] != 1:
+        modes = layer.default_modes if modes is None else torch.as_tensor(modes).cpu()
+        if modes.dim() == 2:
+            if modes.shape[0] != 1:
                 raise ValueError("verify one batch element at a time: pass modes of shape [H_kv]")
-            kv_modes = kv_modes[0]
-        if kv_modes.shape != (layer.num_kv_heads,):
-            raise ValueError(f"modes must have shape [{layer.num_kv_heads}], got {tuple(kv_modes.shape)}")
+            modes = modes[0]
+        if modes.shape != (layer.num_kv_heads,):
+            raise ValueError(f"modes must have shape [{layer.num_kv_heads}], got {tuple(modes.shape)}")
         patterns = list(layer.patterns.values())
         if any(p.is_dynamic for p in patterns):
             raise ValueError("content-dependent patterns (XA) have no fixed receptive field; resolve them on q/k "
                              "first (pattern.resolve(q, k)) and verify the resolved pattern")
-        return PerHead(patterns, kv_modes.repeat_interleave(layer.num_heads // layer.num_kv_heads))
+        return PerHead(patterns, per_query_head(modes, layer.num_heads // layer.num_kv_heads, dim=0))
     if isinstance(layer, Pattern):
         if layer.is_dynamic:
             raise ValueError(f"{layer!r} is content-dependent; verify pattern.resolve(q, k) instead")
