@@ -11,7 +11,9 @@ from __future__ import annotations
 from flexsparse.runtime.call import AttentionCall
 
 DENSE_FLOPS_PER_S = 600e12
-"""SDPA's causal attention throughput (cuDNN, 128K: ~565 TFLOP/s)."""
+"""SDPA's causal attention throughput (cuDNN, 128K: ~565 TFLOP/s): SDPA's cost where the device's measured table
+(:mod:`flexsparse.runtime.dense_kernels`) has no throughput for the call, and the unit other executors' speeds
+are relative to."""
 FLEX_FULL_SPEED = 0.7
 """flex_attention runs full causal tiles at 0.65-0.71x SDPA's speed."""
 FLEX_PARTIAL_TILE_COST = 9.0
