@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import math
 import os
 import statistics
 import sys
@@ -44,10 +43,15 @@ from torch.nn.attention import sdpa_kernel
 
 from flexsparse.masks import Causal, Geometry
 from flexsparse.runtime.compiled import run_flex
-from flexsparse.runtime.dense_kernels import PASSES, SDPA_BACKENDS, default_table_path, load_dense_kernel_table
+from flexsparse.runtime.dense_kernels import (
+    PASSES,
+    SDPA_BACKENDS,
+    default_table_path,
+    load_dense_kernel_table,
+)
 
-FULL = dict(heads=32, kv_heads=8, dim=128, lengths=[8192, 16384, 32768, 65536, 131072], dtype="bfloat16")
-TINY = dict(heads=4, kv_heads=2, dim=32, lengths=[128, 256], dtype="float32")
+FULL = {"heads": 32, "kv_heads": 8, "dim": 128, "lengths": [8192, 16384, 32768, 65536, 131072], "dtype": "bfloat16"}
+TINY = {"heads": 4, "kv_heads": 2, "dim": 32, "lengths": [128, 256], "dtype": "float32"}
 GPU_KERNELS = ["flash", "cudnn", "efficient", "flex", "flex-fa4"]
 CPU_KERNELS = ["flash", "math", "cudnn", "efficient", "flex"]
 KERNELS = [*SDPA_BACKENDS, "flex", "flex-fa4"]
@@ -62,16 +66,13 @@ def causal_flops(heads: int, dim: int, length: int, pass_name: str) -> float:
 
 
 def timed_ms(fn: Callable[[], object], device: torch.device, budget_s: float) -> tuple[float, int]:
-    """(median ms, calls timed) of ``fn`` after one warm-up call."""
+    """(median ms, calls timed) of ``fn`` after one warm-up call: at least 3 calls, more while they fit
+    ``budget_s``, at most 25."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     fn()
     sync()
-    start = time.perf_counter()
-    fn()
-    sync()
-    calls = max(3, min(25, int(budget_s / max(time.perf_counter() - start, 1e-6))))
-    times = []
-    for _ in range(calls):
+    times: list[float] = []
+    while len(times) < 3 or (sum(times) < budget_s * 1e3 and len(times) < 25):
         if device.type == "cuda":
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()
@@ -83,7 +84,7 @@ def timed_ms(fn: Callable[[], object], device: torch.device, budget_s: float) ->
             begin_s = time.perf_counter()
             fn()
             times.append((time.perf_counter() - begin_s) * 1e3)
-    return statistics.median(times), calls
+    return statistics.median(times), len(times)
 
 
 def sdpa_attend(backend: str, repeat_kv: bool) -> Callable:
@@ -141,9 +142,9 @@ def measure(kernel: str, pass_name: str, length: int, shape: dict, device: torch
     errors = []
     for gqa, attend in ways:
         if grad:
-            step = lambda: torch.autograd.grad(attend(q, k, v), (q, k, v), grad_out)
+            step = lambda attend=attend: torch.autograd.grad(attend(q, k, v), (q, k, v), grad_out)
         else:
-            step = lambda: attend(q, k, v)
+            step = lambda attend=attend: attend(q, k, v)
         try:
             with torch.no_grad() if not grad else torch.enable_grad():
                 ms, calls = timed_ms(step, device, budget_s)

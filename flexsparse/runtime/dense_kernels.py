@@ -103,10 +103,12 @@ def load_dense_kernel_table(path: str | Path | None = None) -> dict[str, DeviceK
     devices = data.get("devices") if isinstance(data, dict) else None
     if not isinstance(devices, dict):
         raise ValueError(f"dense kernel table {path}: expected an object with a 'devices' object")
-    return {key: _device_kernels(f"{path}: devices[{key!r}]", entry) for key, entry in devices.items()}
+    return {key: device_kernels_from_json(entry, f"{path}: devices[{key!r}]") for key, entry in devices.items()}
 
 
-def _device_kernels(where: str, entry: object) -> DeviceKernels:
+def device_kernels_from_json(entry: object, where: str = "device entry") -> DeviceKernels:
+    """One device's table from its JSON object (``{"dtype": ..., "entries": [...]}``, see
+    :func:`load_dense_kernel_table`); ``where`` names it in errors."""
     if not isinstance(entry, dict) or not isinstance(entry.get("entries"), list):
         raise ValueError(f"dense kernel table {where}: expected an object with an 'entries' list")
     dtype = getattr(torch, str(entry.get("dtype")), None)
@@ -145,7 +147,7 @@ DENSE_KERNEL_TABLE: dict[str, DeviceKernels] = load_dense_kernel_table()
 ``flexsparse.runtime.dense_kernels.DENSE_KERNEL_TABLE = load_dense_kernel_table(path)``; read on every call."""
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cuda_device_name(index: int) -> str:
     """``torch.cuda.get_device_name(index)``, once per device."""
     return torch.cuda.get_device_name(index)
