@@ -11,7 +11,9 @@ from __future__ import annotations
 from flexsparse.runtime.call import AttentionCall
 
 DENSE_FLOPS_PER_S = 600e12
-"""SDPA's causal attention throughput (cuDNN at 128K on the H100: the README's benchmark table)."""
+"""SDPA's causal attention throughput (cuDNN at 128K on the H100: the README's benchmark table): SDPA's cost where
+the device's measured table (:mod:`flexsparse.runtime.dense_kernels`) has no throughput for the call, and the unit
+other executors' speeds are relative to."""
 FLEX_FULL_SPEED = 0.7
 """flex_attention's speed on full causal tiles as a fraction of SDPA's (H100: the README's benchmarks)."""
 FLEX_PARTIAL_TILE_COST = 9.0

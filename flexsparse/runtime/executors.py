@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,7 @@ from flexsparse.masks.combine import gather_heads
 from flexsparse.masks.geometry import MAX_DENSE_ELEMENTS
 from flexsparse.runtime.call import AttentionCall, GroupModes, HeadSelection
 from flexsparse.runtime.cost import DENSE_FLOPS_PER_S, attention_flops, causal_pairs
+from flexsparse.runtime.dense_kernels import DenseKernel, dense_kernel, sdpa_backend_order
 
 _MASKED_DECODE_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
@@ -99,10 +101,12 @@ def sdpa_without_graph_builds(q: Tensor, k: Tensor, v: Tensor, scale: float | No
 class SdpaExecutor(Executor):
     """Full causal heads through ``F.scaled_dot_product_attention`` (the fastest dense kernel).
 
-    Contiguous prefill runs ``is_causal=True``. Other calls (padding, decode, chunks) pass an explicit boolean
-    mask from the positions, with the GQA group folded into the query rows so no K/V copy is made; that mask is
-    O(B x G x Q x KV), so it is used only up to ``max_mask_elements`` (decode and short chunks). Longer calls
-    with positions are not accepted and go to flex.
+    Contiguous prefill runs ``is_causal=True`` on the backend the device's measured table picks
+    (:mod:`flexsparse.runtime.dense_kernels`; SDPA's own choice on devices it does not know and on the CPU).
+    Other calls (padding, decode, chunks) pass an explicit boolean mask from the positions, with the GQA group
+    folded into the query rows so no K/V copy is made; on CUDA they run without cuDNN, whose graph build per new
+    key length would cost more than the call. That mask is O(B x G x Q x KV), so it is used only up to
+    ``max_mask_elements`` (decode and short chunks). Longer calls with positions are not accepted and go to flex.
     """
 
     name = "sdpa"
@@ -114,7 +118,18 @@ class SdpaExecutor(Executor):
         self.max_mask_elements = max_mask_elements
 
     def cost(self, patterns, call):
-        return attention_flops(call, len(patterns), causal_pairs(call)) / DENSE_FLOPS_PER_S
+        kernel = self._prefill_kernel(call)
+        speed = kernel.flops_per_s if kernel is not None and kernel.flops_per_s else DENSE_FLOPS_PER_S
+        return attention_flops(call, len(patterns), causal_pairs(call)) / speed
+
+    @staticmethod
+    def _prefill_kernel(call: AttentionCall) -> DenseKernel | None:
+        """The measured table's backend for a contiguous prefill call (None: other calls, unknown devices)."""
+        geo = call.geometry
+        if not geo.is_contiguous:
+            return None
+        return dense_kernel(call.q.device, geo.q_len, geo.kv_len, call.needs_grad, dtype=call.q.dtype,
+                            block_size=geo.block_size)
 
     def cache_kind(self, pattern: Pattern) -> str | None:
         if pattern.name == "sink_window" and getattr(pattern, "unit", None) == 1:
@@ -135,8 +150,11 @@ class SdpaExecutor(Executor):
         q, k, v = heads.pick(call)
         geo = call.geometry
         if geo.is_contiguous and geo.q_len == geo.kv_len:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=call.scale,
-                                                  enable_gqa=call.group_size > 1)
+            kernel = None if torch.compiler.is_compiling() else self._prefill_kernel(call)
+            with nullcontext() if kernel is None else sdpa_kernel(sdpa_backend_order(kernel.backend),
+                                                                  set_priority=True):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=call.scale,
+                                                      enable_gqa=call.group_size > 1)
         batch, n_heads, q_len, dim = q.shape
         group = call.group_size
         allowed = geo.kv_positions()[:, None, :] <= geo.q_positions()[:, :, None]  # [B', Q, KV]
@@ -144,7 +162,8 @@ class SdpaExecutor(Executor):
         folded_mask = allowed[:, None, None].expand(-1, 1, group, -1, -1).reshape(allowed.shape[0], 1, -1,
                                                                                  geo.kv_len)
         folded_q = q.reshape(batch, k.shape[1], group * q_len, dim)
-        out = F.scaled_dot_product_attention(folded_q, k, v, attn_mask=folded_mask, scale=call.scale)
+        with sdpa_kernel(_MASKED_DECODE_BACKENDS) if q.is_cuda else nullcontext():  # no graph per key length
+            out = F.scaled_dot_product_attention(folded_q, k, v, attn_mask=folded_mask, scale=call.scale)
         return _zero_empty_rows(out.reshape(batch, n_heads, q_len, dim), empty[:, None])
 
     # ----- one-token decode steps over a sparse KV cache's slots (q [B, H_g, 1, d], keys/values [B, H_kv, S, d])

@@ -1,0 +1,200 @@
+"""Which of SDPA's backends runs full causal heads on a device: a measured per-device table.
+
+``bench/dense_kernels.py`` times SDPA's backends (flash, cuDNN, memory-efficient) on causal GQA attention at
+lengths 8K to 128K, forward and forward+backward, and writes the ranking it measured into
+``flexsparse/runtime/data/dense_kernels.json`` (shipped in the package), keyed by a substring of the CUDA device
+name (``"H100"`` matches ``"NVIDIA H100 80GB HBM3"``; the longest matching key wins). :data:`DENSE_KERNEL_TABLE`
+holds it, loaded at import.
+
+Rules (:func:`dense_kernel`):
+
+* only causal prefill (as many queries as keys) on a CUDA device whose name the table knows, at the dtype it was
+  measured at, gets a forced backend; everything else (CPU, unknown devices, other dtypes) runs SDPA's own choice;
+* decode steps and chunks (fewer queries than keys) never get one: their key length changes every call, and
+  cuDNN builds an execution graph per new shape (~55 ms a call on an H100);
+* for the same reason cuDNN is chosen only at key lengths on the bucket grid
+  (:func:`~flexsparse.runtime.buckets.is_kv_bucket`), a bounded set of shapes; at other lengths the fastest
+  other backend of the ranking runs;
+* a length the table has no row for takes the row of the measured length nearest to it (in log scale).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+from torch.nn.attention import SDPBackend
+
+from flexsparse.runtime.buckets import is_kv_bucket
+
+PASSES = ("forward", "forward_backward")
+"""The passes the table ranks backends for: inference, and a training step's forward and backward."""
+
+SDPA_BACKENDS: dict[str, SDPBackend] = {
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "math": SDPBackend.MATH,
+}
+"""The table's names of SDPA's backends."""
+
+GRAPH_BUILDING_BACKENDS = ("cudnn",)
+"""Backends that build an execution graph per new shape: only run at bucketed lengths."""
+
+_FALLBACK_ORDER = ("flash", "efficient", "math")
+
+
+@dataclass(frozen=True)
+class DenseKernelRanking:
+    """SDPA's backends for one (pass, length), fastest first, and the throughput measured for each (TFLOP/s,
+    forward FLOPs ``4 d`` per attended (query, key) pair and query head, times 3.5 for forward+backward; empty
+    where not measured)."""
+
+    backends: tuple[str, ...]
+    tflops: Mapping[str, float]
+
+
+@dataclass(frozen=True)
+class DeviceKernels:
+    """One device's table: the dtype it was measured at and a ranking per ``(pass, length)``."""
+
+    dtype: torch.dtype
+    rankings: Mapping[tuple[str, int], DenseKernelRanking]
+
+    def lengths(self, pass_name: str) -> list[int]:
+        return sorted(length for p, length in self.rankings if p == pass_name)
+
+
+class DenseKernel(NamedTuple):
+    """The backend a call runs on, and its measured throughput in FLOP/s (None: not measured)."""
+
+    backend: str
+    flops_per_s: float | None
+
+
+TABLE_FILE = "data/dense_kernels.json"
+"""The shipped table, relative to the ``flexsparse.runtime`` package."""
+
+
+def default_table_path() -> Path:
+    """The shipped table file (in the installed package)."""
+    return Path(str(resources.files("flexsparse.runtime").joinpath(TABLE_FILE)))
+
+
+def load_dense_kernel_table(path: str | Path | None = None) -> dict[str, DeviceKernels]:
+    """The table in ``path`` (default: the shipped one), by device-name substring.
+
+    The file: ``{"devices": {KEY: {"dtype": "bfloat16", "entries": [{"pass": "forward", "length": 8192,
+    "backends": ["cudnn", "flash"], "tflops": {"cudnn": 560.0}}, ...]}}}``. Raises ValueError naming the file
+    and the field that is wrong.
+    """
+    path = Path(path) if path is not None else default_table_path()
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"dense kernel table {path}: cannot be read as JSON ({err})") from err
+    devices = data.get("devices") if isinstance(data, dict) else None
+    if not isinstance(devices, dict):
+        raise ValueError(f"dense kernel table {path}: expected an object with a 'devices' object")
+    return {key: device_kernels_from_json(entry, f"{path}: devices[{key!r}]") for key, entry in devices.items()}
+
+
+def device_kernels_from_json(entry: object, where: str = "device entry") -> DeviceKernels:
+    """One device's table from its JSON object (``{"dtype": ..., "entries": [...]}``, see
+    :func:`load_dense_kernel_table`); ``where`` names it in errors."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("entries"), list):
+        raise ValueError(f"dense kernel table {where}: expected an object with an 'entries' list")
+    dtype = getattr(torch, str(entry.get("dtype")), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dense kernel table {where}: 'dtype' must name a torch dtype, got {entry.get('dtype')!r}")
+    rankings = {}
+    for i, row in enumerate(entry["entries"]):
+        at = f"{where}.entries[{i}]"
+        if not isinstance(row, dict):
+            raise ValueError(f"dense kernel table {at}: expected an object")
+        pass_name, length, backends = row.get("pass"), row.get("length"), row.get("backends")
+        tflops = row.get("tflops", {})
+        if pass_name not in PASSES:
+            raise ValueError(f"dense kernel table {at}: 'pass' must be one of {PASSES}, got {pass_name!r}")
+        if not isinstance(length, int) or isinstance(length, bool) or length < 1:
+            raise ValueError(f"dense kernel table {at}: 'length' must be a positive integer, got {length!r}")
+        if (not isinstance(backends, list) or not backends
+                or any(b not in SDPA_BACKENDS for b in backends) or len(set(backends)) != len(backends)):
+            raise ValueError(f"dense kernel table {at}: 'backends' must be a non-empty list of distinct names "
+                             f"from {tuple(SDPA_BACKENDS)}, got {backends!r}")
+        if all(b in GRAPH_BUILDING_BACKENDS for b in backends):
+            raise ValueError(f"dense kernel table {at}: 'backends' needs one backend besides "
+                             f"{GRAPH_BUILDING_BACKENDS} (for lengths off the bucket grid), got {backends!r}")
+        if not isinstance(tflops, dict) or any(
+                b not in backends or not isinstance(t, (int, float)) or not t > 0 for b, t in tflops.items()):
+            raise ValueError(f"dense kernel table {at}: 'tflops' must map listed backends to positive numbers, "
+                             f"got {tflops!r}")
+        if (pass_name, length) in rankings:
+            raise ValueError(f"dense kernel table {at}: a second row for ({pass_name!r}, {length})")
+        rankings[pass_name, length] = DenseKernelRanking(tuple(backends), {b: float(t) for b, t in tflops.items()})
+    return DeviceKernels(dtype, rankings)
+
+
+DENSE_KERNEL_TABLE: dict[str, DeviceKernels] = load_dense_kernel_table()
+"""The shipped table, by device-name substring. Replace it process-wide with
+``flexsparse.runtime.dense_kernels.DENSE_KERNEL_TABLE = load_dense_kernel_table(path)``; read on every call."""
+
+
+@functools.cache
+def cuda_device_name(index: int) -> str:
+    """``torch.cuda.get_device_name(index)``, once per device."""
+    return torch.cuda.get_device_name(index)
+
+
+def device_kernels(device: torch.device) -> DeviceKernels | None:
+    """The table of a CUDA device: the longest key of :data:`DENSE_KERNEL_TABLE` in its name; None for other
+    devices and names no key matches."""
+    if device.type != "cuda":
+        return None
+    name = cuda_device_name(device.index if device.index is not None else torch.cuda.current_device())
+    keys = [key for key in DENSE_KERNEL_TABLE if key in name]
+    return DENSE_KERNEL_TABLE[max(keys, key=len)] if keys else None
+
+
+def dense_kernel(device: torch.device, q_len: int, kv_len: int, grad: bool, *, dtype: torch.dtype = torch.bfloat16,
+                 block_size: int = 128) -> DenseKernel | None:
+    """The backend the table picks for causal attention of ``q_len`` queries against ``kv_len`` keys (the last
+    positions) on ``device``, or None: SDPA's own choice (see the module docstring for the rules). ``grad``: the
+    call runs a backward too; ``block_size``: the layer's tile, whose grid says which lengths are bucketed."""
+    if q_len != kv_len:
+        return None
+    kernels = device_kernels(device)
+    if kernels is None or dtype != kernels.dtype:
+        return None
+    pass_name = PASSES[1] if grad else PASSES[0]
+    lengths = kernels.lengths(pass_name)
+    if not lengths:
+        return None
+    nearest = min(lengths, key=lambda length: abs(math.log2(length) - math.log2(kv_len)))
+    ranking = kernels.rankings[pass_name, nearest]
+    bucketed = is_kv_bucket(kv_len, block_size)
+    backend = next(b for b in ranking.backends if bucketed or b not in GRAPH_BUILDING_BACKENDS)
+    tflops = ranking.tflops.get(backend)
+    return DenseKernel(backend, tflops * 1e12 if tflops is not None else None)
+
+
+def dense_backend(device: torch.device, q_len: int, kv_len: int, grad: bool, *,
+                  dtype: torch.dtype = torch.bfloat16, block_size: int = 128) -> str | None:
+    """The name of the backend :func:`dense_kernel` picks (a key of :data:`SDPA_BACKENDS`), or None."""
+    kernel = dense_kernel(device, q_len, kv_len, grad, dtype=dtype, block_size=block_size)
+    return kernel.backend if kernel is not None else None
+
+
+def sdpa_backend_order(backend: str) -> list[SDPBackend]:
+    """SDPA's backends in priority order with ``backend`` first (for ``sdpa_kernel(..., set_priority=True)``):
+    the others follow as fallbacks for inputs it cannot run, without the graph-building ones."""
+    if backend not in SDPA_BACKENDS:
+        raise ValueError(f"backend must be one of {tuple(SDPA_BACKENDS)}, got {backend!r}")
+    return [SDPA_BACKENDS[b] for b in dict.fromkeys((backend, *_FALLBACK_ORDER))]
