@@ -2,16 +2,20 @@
 
 transformers builds a model's attention mask once per forward through its mask-function registry and passes the
 result to every layer. flexsparse's mask function returns a :class:`ForwardMask` instead of a 4-D tensor: the 2-D
-padding mask itself, from which every layer derives token positions. Position tables are memoised on it, so all
-layers of one forward share them (and the block masks memoised on them).
+padding mask itself, from which every layer derives token positions. What is derived from it is kept in its
+``state`` (a :class:`~flexsparse.masks.forward_state.ForwardState`, which the positions it builds share), so all layers
+of one forward share the position tables, the block masks built on them and a sparse KV cache's per-row tensors.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from torch import Tensor
 
 from flexsparse.masks import Positions
+from flexsparse.masks.forward_state import ForwardState
 
 
 class ForwardMask:
@@ -37,76 +41,71 @@ class ForwardMask:
         self.padding = padding
         self.batch, self.q_len, self.kv_len = batch, q_len, kv_len
         self.device = torch.device(device)
-        self.memo: dict = {}
+        self.state = ForwardState()
 
     @property
     def span(self) -> int:
         return self.kv_len
 
     def has_padding(self) -> bool:
-        """Whether any token is padding (one host sync, memoised; called in prefill only)."""
+        """Whether any token is padding (one host sync, once per forward; called in prefill only)."""
         return self.padding_layout() != "none"
 
     def padding_layout(self) -> str:
         """``"none"`` (no padding token), ``"left"`` (every row: padding, then only real tokens, as a left-padded
-        prompt) or ``"other"``; one host sync, memoised."""
-        if "layout" not in self.memo:
-            if self.padding is None:
-                layout = "none"
-            else:
-                real = self.padding
-                no_padding, left = torch.stack([real.all(), (real[:, 1:] >= real[:, :-1]).all()]).tolist()
-                layout = "none" if no_padding else "left" if left else "other"
-            self.memo["layout"] = layout
-        return self.memo["layout"]
+        prompt) or ``"other"``; one host sync, once per forward."""
+        return self.state.padding_layout(self._padding_layout)
+
+    def _padding_layout(self) -> str:
+        if self.padding is None:
+            return "none"
+        real = self.padding
+        no_padding, left = torch.stack([real.all(), (real[:, 1:] >= real[:, :-1]).all()]).tolist()
+        return "none" if no_padding else "left" if left else "other"
 
     def new_tokens_padded(self) -> bool:
-        """Whether any query token (a new one) is padding: one host sync per forward, memoised for its layers."""
-        if "new_tokens_padded" not in self.memo:
+        """Whether any query token (a new one) is padding: one host sync per forward, shared by its layers."""
+        def build() -> bool:
             rows = self.padding[:, self.q_start:self.q_start + self.q_len] if self.padding is not None else None
-            self.memo["new_tokens_padded"] = rows is not None and not bool(rows.all())
-        return self.memo["new_tokens_padded"]
+            return rows is not None and not bool(rows.all())
+        return self.state.new_tokens_padded(build)
 
     def positions(self) -> Positions | None:
         """Positions of the queries and of every token as a key slot; None for a prefill without padding (the
-        contiguous layout, which runs SDPA's causal kernel and flex without position tables)."""
-        if "positions" not in self.memo:
-            if self.q_len == self.kv_len and not self.has_padding():
-                found = None
-            elif self.padding is None:
-                found = Positions.contiguous(self.q_len, self.kv_len, self.device)
-            elif self.q_start + self.q_len == self.kv_len:
-                found = Positions.from_padding_mask(self.padding, self.q_len)
-            else:
-                counted = self.padding.cumsum(-1, dtype=torch.int32) - 1
-                rows = slice(self.q_start, self.q_start + self.q_len)
-                kv = torch.where(self.padding, counted, self.kv_len).to(torch.int32)
-                q = torch.where(self.padding[:, rows], counted[:, rows], -1).to(torch.int32)
-                found = Positions(q, kv, self.kv_len)
-            self.memo["positions"] = found
-        return self.memo["positions"]
+        contiguous layout, which runs SDPA's causal kernel and flex without position tables). They share the
+        mask's state."""
+        return self.state.positions(self._positions)
+
+    def _positions(self) -> Positions | None:
+        if self.q_len == self.kv_len and not self.has_padding():
+            return None
+        if self.padding is None:
+            found = Positions.contiguous(self.q_len, self.kv_len, self.device)
+        elif self.q_start + self.q_len == self.kv_len:
+            found = Positions.from_padding_mask(self.padding, self.q_len)
+        else:
+            counted = self.padding.cumsum(-1, dtype=torch.int32) - 1
+            rows = slice(self.q_start, self.q_start + self.q_len)
+            kv = torch.where(self.padding, counted, self.kv_len).to(torch.int32)
+            q = torch.where(self.padding[:, rows], counted[:, rows], -1).to(torch.int32)
+            found = Positions(q, kv, self.kv_len)
+        return dataclasses.replace(found, state=self.state)
 
     def table_positions(self) -> Positions:
         """:meth:`positions` as tables, also for a prefill without padding (a cache's views need tables)."""
-        return self.positions() or self.memo.setdefault(
-            "contiguous", Positions.contiguous(self.q_len, self.kv_len, self.device))
+        return self.positions() or self.state.contiguous_tables(lambda: dataclasses.replace(
+            Positions.contiguous(self.q_len, self.kv_len, self.device), state=self.state))
 
     def positions_in(self, capacity: int) -> Positions:
         """Positions with the key slots extended to ``capacity`` empty slots (a cache buffer's length)."""
-        key = ("capacity", capacity)
-        if key not in self.memo:
-            self.memo[key] = self.table_positions().padded(self.q_len, capacity)
-        return self.memo[key]
+        return self.state.capacity_positions(capacity, lambda: self.table_positions().padded(self.q_len, capacity))
 
     def real_counts(self, tokens: int) -> Tensor:
         """Real tokens among the first ``tokens``, int64 ``[B']`` (B' = 1 without padding)."""
-        key = ("real", tokens)
-        if key not in self.memo:
-            if self.padding is None:
-                self.memo[key] = torch.full((1,), tokens, dtype=torch.long, device=self.device)
-            else:
-                self.memo[key] = self.padding[:, :tokens].sum(-1)
-        return self.memo[key]
+        if self.padding is None:
+            return self.state.real_counts(tokens, lambda: torch.full((1,), tokens, dtype=torch.long,
+                                                                     device=self.device))
+        return self.state.real_counts(tokens, lambda: self.padding[:, :tokens].sum(-1))
 
     def new_positions(self) -> Tensor:
         """Positions of the query tokens (the new ones), int64 ``[B', q_len]``, ``span`` for padding."""

@@ -129,16 +129,16 @@ class _Counts:
         self._on: dict[torch.device, Tensor] = {}
 
     def constant(self, mask: ForwardMask, value: int) -> Tensor:
-        """``value`` for every row: int64 ``[B]`` on the mask's device (a read-only view, memoised per forward:
+        """``value`` for every row: int64 ``[B]`` on the mask's device (a read-only view, made once per forward:
         shared by its layers)."""
-        found = mask.memo.get(("constant", value))
-        if found is None:
-            table = self._on.get(mask.device)
-            if table is None or value >= table.shape[0]:
-                size = max(4096, 2 * value + 2, 0 if table is None else 2 * table.shape[0])
-                table = self._on[mask.device] = torch.arange(size, dtype=torch.long, device=mask.device)
-            found = mask.memo[("constant", value)] = table.as_strided((mask.batch,), (0,), value)
-        return found
+        return mask.state.constant(value, lambda: self._view(mask, value))
+
+    def _view(self, mask: ForwardMask, value: int) -> Tensor:
+        table = self._on.get(mask.device)
+        if table is None or value >= table.shape[0]:
+            size = max(4096, 2 * value + 2, 0 if table is None else 2 * table.shape[0])
+            table = self._on[mask.device] = torch.arange(size, dtype=torch.long, device=mask.device)
+        return table.as_strided((mask.batch,), (0,), value)
 
 
 def _per_row(mask: ForwardMask, values: Tensor) -> Tensor:
@@ -246,18 +246,21 @@ class _GroupCache:
                                                  scale)
 
 
-def _visible(mask: ForwardMask, memo_key: tuple, kv_positions: Tensor) -> tuple[Tensor, Tensor]:
+def _visible(mask: ForwardMask, kv_positions: Tensor) -> tuple[Tensor, Tensor]:
     """Which slots a one-token step's query may read: bool ``[B', S]`` (slot positions ``kv_positions`` int
     ``[B', S]`` at most the query's position; every slot a key the query's pattern attends), and bool ``[B', 1]``
-    for queries that read none (padding: their row is 0; slot 0 stands in, so SDPA gives no NaN). Memoised on the
-    forward's mask under ``memo_key`` (shared by its layers)."""
-    found = mask.memo.get(memo_key)
-    if found is None:
-        allowed = kv_positions <= mask.table_positions().q  # [B', S] against [B', 1]
-        empty = ~allowed.any(-1, keepdim=True)
-        first = torch.arange(allowed.shape[-1], device=allowed.device) == 0
-        found = mask.memo[memo_key] = (allowed | (empty & first), empty)
-    return found
+    for queries that read none (padding: their row is 0; slot 0 stands in, so SDPA gives no NaN). Callers keep it
+    in the forward's state (shared by its layers)."""
+    allowed = kv_positions <= mask.table_positions().q  # [B', S] against [B', 1]
+    empty = ~allowed.any(-1, keepdim=True)
+    first = torch.arange(allowed.shape[-1], device=allowed.device) == 0
+    return allowed | (empty & first), empty
+
+
+def _left_ranges(mask: ForwardMask, tokens: int) -> Tensor:
+    """First slot of each row's real tokens among ``tokens`` slots after a left-padded prompt, int64 ``[B]``
+    (once per forward)."""
+    return mask.state.left_ranges(tokens, lambda: tokens - _per_row(mask, mask.real_counts(tokens)))
 
 
 class _EveryKey(_GroupCache):
@@ -292,9 +295,7 @@ class _AttendAll(_EveryKey):
         if layout == "none":
             lo = self.counts.constant(mask, 0)
         else:
-            lo = mask.memo.get(("left ranges", tokens))
-            if lo is None:
-                lo = mask.memo[("left ranges", tokens)] = tokens - _per_row(mask, mask.real_counts(tokens))
+            lo = _left_ranges(mask, tokens)
         return DecodeGroup(self.keys, self.values, self.group.kv_heads[0], lo, self.counts.constant(mask, tokens),
                            self.counts.constant(mask, past))
 
@@ -305,12 +306,9 @@ class _AttendAll(_EveryKey):
         if decode == "none":  # slots 0..past are the tokens, all attended
             return self.attend_filled(q, tokens, scale)
         if decode == "left":  # a row's real tokens are its last slots
-            lo = mask.memo.get(("left ranges", tokens))
-            if lo is None:
-                lo = mask.memo[("left ranges", tokens)] = tokens - _per_row(mask, mask.real_counts(tokens))
-            return self.attend_ranges(q, lo, self.counts.constant(mask, tokens), scale)
+            return self.attend_ranges(q, _left_ranges(mask, tokens), self.counts.constant(mask, tokens), scale)
         if key.shape[2] == 1:  # any padding: the slots of real tokens up to the query's position
-            visible = _visible(mask, ("every key visible", tokens), mask.table_positions().kv)
+            visible = mask.state.visible(("every key", tokens), lambda: _visible(mask, mask.table_positions().kv))
             return self.attend_visible(q, tokens, visible, scale)
         return self.attend_chunk(layer, q, mask, tokens, scale)
 
@@ -329,9 +327,7 @@ class _OwnDecode(_EveryKey):
         if decode != "none":  # padding: query positions and the slot of each key position, shared by the layers
             table = mask.table_positions()
             q_positions = table.q
-            key_slots = mask.memo.get(("key slots", tokens))
-            if key_slots is None:
-                key_slots = mask.memo[("key slots", tokens)] = table.key_slots()[:, :table.span].to(torch.int32)
+            key_slots = mask.state.cache_key_slots(tokens, lambda: table.key_slots()[:, :table.span].to(torch.int32))
         return self.group.executor.decode_step(self.pick_q(q), self.keys[:, :, :tokens], self.values[:, :, :tokens],
                                                self.group.pattern,
                                                [layer.first_kv_head + head for head in self.group.kv_heads], scale,
@@ -377,11 +373,9 @@ class _Ring(_GroupCache):
         self._allocate(like, self._wanted(tokens, self.full_size))
 
     def _slot_positions(self, mask: ForwardMask, tokens: int) -> Tensor:
-        key = ("ring", self.sink, self.window, self.capacity, tokens)
-        if key not in mask.memo:
-            counts = mask.real_counts(tokens)
-            mask.memo[key] = ring_slot_positions(counts, self.sink, self.window, self.capacity, mask.span)
-        return mask.memo[key]
+        sink, window, capacity = self.sink, self.window, self.capacity
+        return mask.state.ring_positions(sink, window, capacity, tokens, lambda: ring_slot_positions(
+            mask.real_counts(tokens), sink, window, capacity, mask.span))
 
     def rewrite(self, key: Tensor, value: Tensor, mask: ForwardMask, past: int) -> None:
         """Write the new tokens that stay into their slots (prefill and chunks; every slot is rewritten)."""
@@ -409,27 +403,21 @@ class _Ring(_GroupCache):
             filled = self.counts.constant(mask, min(tokens, self.capacity))
         else:
             counts = _per_row(mask, mask.real_counts(tokens))
-            slot = mask.memo.get(("ring step slot", self.sink, self.window))
-            if slot is None:
-                slot = mask.memo[("ring step slot", self.sink, self.window)] = ring_slot_of(counts - 1, self.sink,
-                                                                                           self.window)
-            filled = mask.memo.get(("ring filled", tokens, self.capacity))
-            if filled is None:
-                filled = mask.memo[("ring filled", tokens, self.capacity)] = counts.clamp(max=self.capacity)
+            slot = mask.state.ring_step_slot(self.sink, self.window,
+                                             lambda: ring_slot_of(counts - 1, self.sink, self.window))
+            filled = mask.state.ring_filled(tokens, self.capacity, lambda: counts.clamp(max=self.capacity))
         return DecodeGroup(self.keys, self.values, self.group.kv_heads[0], self.counts.constant(mask, 0), filled, slot)
 
     def write_one(self, key: Tensor, value: Tensor, mask: ForwardMask, tokens: int, real: bool = False) -> None:
         """Decode: the new token into its slot (``real``: it is known to be a real token). A padding token goes
         to the next position's slot, whose key no query of this step reads (its query is padding) and the next
         real token overwrites."""
-        found = mask.memo.get(("ring slot", self.sink, self.window))  # every layer of the forward writes there
-        if found is None:
-            counts = mask.real_counts(tokens)
+        def build() -> tuple[Tensor, Tensor]:
             new_real = 1 if real else (mask.new_positions()[:, 0] < mask.span).long()
-            slot = ring_slot_of(_per_row(mask, counts - new_real), self.sink, self.window)
-            found = mask.memo[("ring slot", self.sink, self.window)] = (
-                torch.arange(key.shape[0], device=key.device), slot)
-        rows, slot = found
+            slot = ring_slot_of(_per_row(mask, mask.real_counts(tokens) - new_real), self.sink, self.window)
+            return torch.arange(key.shape[0], device=key.device), slot
+
+        rows, slot = mask.state.ring_write_slot(self.sink, self.window, build)  # every layer writes there
         self.keys[rows, :, slot] = self.pick_kv(key)[:, :, 0]
         self.values[rows, :, slot] = self.pick_kv(value)[:, :, 0]
 
@@ -443,15 +431,13 @@ class _Ring(_GroupCache):
             return self.attend_filled(q, min(tokens, self.capacity), scale)
         if decode == "left":  # a row's ring holds its first min(real tokens, capacity) slots
             self.write_one(key, value, mask, tokens, real=True)
-            filled = mask.memo.get(("ring filled", tokens, self.capacity))
-            if filled is None:
-                filled = mask.memo[("ring filled", tokens, self.capacity)] = _per_row(
-                    mask, mask.real_counts(tokens)).clamp(max=self.capacity)
+            filled = mask.state.ring_filled(tokens, self.capacity, lambda: _per_row(
+                mask, mask.real_counts(tokens)).clamp(max=self.capacity))
             return self.attend_ranges(q, self.counts.constant(mask, 0), filled, scale)
         if key.shape[2] == 1:  # decode: write, then attend every filled slot (they are the pattern's keys)
             self.write_one(key, value, mask, tokens)
-            visible = _visible(mask, ("ring visible", self.sink, self.window, self.capacity, tokens),
-                               self._slot_positions(mask, tokens))
+            visible = mask.state.visible(("ring", self.sink, self.window, self.capacity, tokens),
+                                         lambda: _visible(mask, self._slot_positions(mask, tokens)))
             return self.attend_visible(q, self.capacity, visible, scale)
         # a chunk: the ring as it was and the new tokens, in the heads' own pattern, then the ring is rewritten
         q_group, table = self.pick_q(q), mask.table_positions()
@@ -534,7 +520,7 @@ class SparseKVLayer(CacheLayerMixin):
                              f"tokens, the cache has {q_len} new of {self.tokens}")
         if past == 0:  # prefill: every head over the prompt, then the groups keep what they need
             out = layer.attention(q, key, value, positions=mask.positions(), scale=scale)
-            self.layout = mask.padding_layout()  # memoised with positions(): no extra sync
+            self.layout = mask.padding_layout()  # kept with positions(): no extra sync
             for group in self.groups:
                 group.write(key, value, 0) if isinstance(group, _EveryKey) else group.rewrite(key, value, mask, 0)
             return out

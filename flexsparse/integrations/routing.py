@@ -150,17 +150,13 @@ def attach_router(module: nn.Module, state: SparseAttentionLayer, settings: Rout
 def forward_boundary(router: Router, states: Tensor, mask: ForwardMask | None, pool_mask: Tensor | None) -> Boundary:
     """Where ``router`` pools ``states`` ``[B, S, H, d]`` in this forward: the boundary of ``pool_mask`` (bool
     ``[B, S]``) when set, else of the forward's padding. It depends on the mask alone, so it is computed once per
-    forward and pool size, memoised on the :class:`ForwardMask` (with the pooling mask it was computed from)."""
+    forward and pool size, kept in the :class:`ForwardMask`'s state (with the pooling mask it was computed from)."""
     padding = pool_mask if pool_mask is not None else (None if mask is None else mask.padding)
     batch, seq = states.shape[:2]
     if mask is None:
         return boundary_positions(padding, batch, seq, router.pool_size, states.device)
-    key = ("router_boundary", router.pool_size, batch, seq, states.device, id(pool_mask))
-    found = mask.memo.get(key)
-    if found is None or found[0] is not pool_mask:  # the id of a freed pooling mask may be reused
-        found = (pool_mask, boundary_positions(padding, batch, seq, router.pool_size, states.device))
-        mask.memo[key] = found
-    return found[1]
+    return mask.state.router_boundary(router.pool_size, batch, seq, states.device, pool_mask,
+                                      lambda: boundary_positions(padding, batch, seq, router.pool_size, states.device))
 
 
 def routed_layer_attention(layer: SparseAttentionLayer, query: Tensor, key: Tensor, value: Tensor,

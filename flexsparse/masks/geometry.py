@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from flexsparse.masks.forward_state import ForwardState
 from flexsparse.validation import as_int
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
@@ -47,7 +48,8 @@ class Positions:
     ``q`` int32 ``[B', Q]`` (-1: a padding query), ``kv`` int32 ``[B', KV]`` (``span``: a padding or empty key
     slot), ``span`` one past the largest real position (a host int). ``B'`` is the batch size or 1 (shared by all
     batch elements). Real positions of one batch element must be distinct. Build one per model forward and pass
-    it to every layer: derived tables and block masks are memoised on it.
+    it to every layer: what is derived from it (tables, block masks) is kept in its ``state``
+    (:class:`~flexsparse.masks.forward_state.ForwardState`), computed once for all layers.
     """
 
     q: Tensor
@@ -55,7 +57,8 @@ class Positions:
     span: int
     is_contiguous_layout: bool = False
     """The contiguous layout as tables (no padding): set by :meth:`contiguous`, known on the host."""
-    memo: dict = field(default_factory=dict, repr=False)
+    state: ForwardState = field(default_factory=ForwardState, repr=False)
+    """The forward's derived values (tables, block masks); a new one per Positions unless given."""
 
     def __post_init__(self) -> None:
         for name, table in (("q", self.q), ("kv", self.kv)):
@@ -118,24 +121,19 @@ class Positions:
 
     def key_slots(self) -> Tensor:
         """Slot of each position, int64 ``[B', span + 1]`` (-1 where no slot holds it; column ``span`` is -1)."""
-        slots = self.memo.get("key_slots")
-        if slots is None:
-            batch, kv_len = self.kv.shape
-            slots = torch.full((batch, self.span + 1), -1, dtype=torch.long, device=self.device)
-            slot_ids = torch.arange(kv_len, device=self.device).expand(batch, kv_len)
-            slots.scatter_(1, self.kv.long(), slot_ids)
-            slots[:, self.span] = -1
-            self.memo["key_slots"] = slots
+        return self.state.key_slots(self._key_slots)
+
+    def _key_slots(self) -> Tensor:
+        batch, kv_len = self.kv.shape
+        slots = torch.full((batch, self.span + 1), -1, dtype=torch.long, device=self.device)
+        slot_ids = torch.arange(kv_len, device=self.device).expand(batch, kv_len)
+        slots.scatter_(1, self.kv.long(), slot_ids)
+        slots[:, self.span] = -1
         return slots
 
     def sequence_ends(self) -> Tensor:
         """One past the last real key position of each batch element, int64 ``[B']`` (0 for no real key)."""
-        ends = self.memo.get("sequence_ends")
-        if ends is None:
-            real = self.kv < self.span
-            ends = torch.where(real, self.kv.long() + 1, 0).amax(-1)
-            self.memo["sequence_ends"] = ends
-        return ends
+        return self.state.sequence_ends(lambda: torch.where(self.kv < self.span, self.kv.long() + 1, 0).amax(-1))
 
 
 def _per_batch(table: Tensor) -> Callable[[Tensor], Tensor]:
@@ -294,18 +292,14 @@ class Geometry:
         return first[:, None, None, :], last[:, None, None, :]
 
     def _q_tiles(self):
-        key = ("q_tiles", self.block_size)
-        if key not in self.positions.memo:
-            q = self.positions.q.long()
-            self.positions.memo[key] = self._tile_bounds(q, self.q_len, q >= 0)
-        return self.positions.memo[key]
+        q = self.positions.q
+        return self.positions.state.tile_bounds("q", self.block_size,
+                                                lambda: self._tile_bounds(q.long(), self.q_len, q >= 0))
 
     def _kv_tiles(self):
-        key = ("kv_tiles", self.block_size)
-        if key not in self.positions.memo:
-            kv = self.positions.kv.long()
-            self.positions.memo[key] = self._tile_bounds(kv, self.kv_len, kv < self.positions.span)
-        return self.positions.memo[key]
+        kv, span = self.positions.kv, self.positions.span
+        return self.positions.state.tile_bounds("kv", self.block_size,
+                                                lambda: self._tile_bounds(kv.long(), self.kv_len, kv < span))
 
     def restrict(self, classes: Tensor) -> Tensor:
         """Tile classes made exact for padding: tiles without a real query or key are EMPTY, and a tile holding

@@ -90,7 +90,7 @@ def batch_parts(batch: int) -> list[tuple[int, int]]:
 def compiled_geometry(geo: Geometry) -> Geometry:
     """The geometry a compiled call of ``geo`` runs at: ``geo`` itself when it needs no padding (and, in the
     contiguous layout, :data:`PREFILL_POLICY` keeps it), else the bucketed lengths with padded position
-    tables, memoised on ``geo``'s positions (for the contiguous layout built anew: cache the result)."""
+    tables, kept in the state of ``geo``'s positions (for the contiguous layout built anew: cache the result)."""
     if PREFILL_POLICY not in PREFILL_POLICIES:
         raise ValueError(f"flexsparse.runtime.buckets.PREFILL_POLICY must be one of {PREFILL_POLICIES}, "
                          f"got {PREFILL_POLICY!r}")
@@ -103,8 +103,5 @@ def compiled_geometry(geo: Geometry) -> Geometry:
     elif on_grid:
         return geo
     else:
-        memo_key = ("padded", q_len, kv_len)
-        padded = geo.positions.memo.get(memo_key)
-        if padded is None:
-            padded = geo.positions.memo[memo_key] = geo.positions.padded(q_len, kv_len)
+        padded = geo.positions.state.bucketed(q_len, kv_len, lambda: geo.positions.padded(q_len, kv_len))
     return Geometry(geo.num_heads, q_len, kv_len, geo.block_size, geo.device, padded)

@@ -1,7 +1,7 @@
 """The flex executors: any mix of patterns over a group of heads in one flex_attention launch.
 
-Each pattern's BlockMask is built once per geometry (cached here for the contiguous layout, memoised on the call's
-:class:`~flexsparse.masks.geometry.Positions` otherwise, so every layer of one model forward shares it). Per-head
+Each pattern's BlockMask is built once per geometry (cached here for the contiguous layout, kept in the state of
+the call's :class:`~flexsparse.masks.geometry.Positions` otherwise, once per forward). Per-head
 modes select index rows with one gather (:class:`~flexsparse.masks.blocks.BlockMaskStack`) and one dispatching
 mask_mod captures the mode tensor: new modes and new positions are new tensor values, never a recompile.
 
@@ -162,11 +162,8 @@ class FlexExecutor(Executor):
             self._contiguous.move_to_end(key)
             return found
         run_geo = run_at(geo)
-        memo_key = ("flex masks", id(self), geo.num_heads, run_geo.q_len, run_geo.kv_len, geo.block_size)
-        found = run_geo.positions.memo.get(memo_key)
-        if found is None:
-            found = run_geo.positions.memo[memo_key] = _MaskSet(run_geo)
-        return found
+        return run_geo.positions.state.flex_masks(self, geo.num_heads, run_geo.q_len, run_geo.kv_len, geo.block_size,
+                                                  lambda: _MaskSet(run_geo))
 
     def _parts(self, cache: _MaskSet, patterns: Sequence[Pattern | None]):
         """(mask_mods, block masks, cacheable) per mode; unused modes borrow a used mode's (never selected)."""
@@ -230,14 +227,12 @@ def _padded(t: Tensor, length: int) -> Tensor:
 
 def _batch_rows(geo: Geometry, start: int, size: int) -> Geometry:
     """The geometry of batch elements ``start .. start + size``: ``geo`` itself when its positions are
-    shared by the batch, else one with those rows of the position tables (memoised on the positions, so every
-    layer of a forward shares the part's tables and the masks memoised on them)."""
+    shared by the batch, else one with those rows of the position tables (kept in the positions' state, so every
+    layer of a forward shares the part's tables and the masks kept in theirs)."""
     positions = geo.positions
     if positions is None or positions.batch == 1:
         return geo
-    key = ("batch rows", start, size)
-    part = positions.memo.get(key)
-    if part is None:
-        rows = lambda table: table if table.shape[0] == 1 else table[start:start + size]
-        part = positions.memo[key] = Positions(rows(positions.q), rows(positions.kv), positions.span)
+    rows = lambda table: table if table.shape[0] == 1 else table[start:start + size]
+    part = positions.state.batch_rows(start, size,
+                                      lambda: Positions(rows(positions.q), rows(positions.kv), positions.span))
     return Geometry(geo.num_heads, geo.q_len, geo.kv_len, geo.block_size, geo.device, part)
