@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import flexsparse
+from flexsparse.distributed import UlyssesCausalLM, shard_batch, ulysses_model
 from flexsparse.integrations import RouterTrainer, last_routings
 from flexsparse.masks import Causal, SinkWindow, TriangleMix
 from flexsparse.routers import SparsityConstraint
@@ -21,11 +22,10 @@ from tests.test_distributed import LOOPBACK, START, FakeGroup, free_port
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*flex_attention called without torch.compile.*")
 
-from flexsparse.distributed import UlyssesCausalLM, shard_batch, ulysses_model  # noqa: E402  (needs transformers)
-
 B, S = 2, 32
 ATOL = 1e-5
-SHAPE = dict(hidden_size=128, num_attention_heads=8, num_key_value_heads=4, head_dim=16, num_hidden_layers=2)
+SHAPE = {"hidden_size": 128, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 16,
+         "num_hidden_layers": 2}
 PATTERNS = {"full": Causal(), "ssa": SinkWindow(4, 8), "tri": TriangleMix(2, 6, 4)}
 MODES = [["full", "ssa", "tri", "ssa"], ["ssa", "tri", "full", "ssa"]]
 

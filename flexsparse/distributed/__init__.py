@@ -21,6 +21,17 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'flexsparse.distributed' has no attribute {name!r}")
 
 
-__all__ = ["ExchangeBytes", "RankAttention", "TensorParallelLayer", "ULYSSES_ATTENTION_NAME", "UlyssesAttention",
-           "UlyssesCausalLM", "rank_kv_heads", "rank_tiles", "shard_batch", "shard_sequence", "tensor_parallel_rank",
-           "ulysses_model"]
+__all__ = [
+    "ULYSSES_ATTENTION_NAME",
+    "ExchangeBytes",
+    "RankAttention",
+    "TensorParallelLayer",
+    "UlyssesAttention",
+    "UlyssesCausalLM",
+    "rank_kv_heads",
+    "rank_tiles",
+    "shard_batch",
+    "shard_sequence",
+    "tensor_parallel_rank",
+    "ulysses_model",
+]

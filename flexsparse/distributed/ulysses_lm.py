@@ -39,7 +39,7 @@ from flexsparse.heads import per_query_head
 from flexsparse.integrations.forward_mask import ForwardMask
 from flexsparse.integrations.layer import SparseAttentionLayer
 from flexsparse.masks import Positions
-from flexsparse.routers import Boundary, Routing, boundary_positions
+from flexsparse.routers import Boundary, boundary_positions
 
 ULYSSES_ATTENTION_NAME = "flexsparse_ulysses"
 """The name :func:`ulysses_model` registers in transformers' attention and mask registries."""
@@ -122,7 +122,7 @@ def ulysses_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tens
         raise ValueError(f"{layer.where}: flexsparse has no attention dropout (got dropout={dropout}); set the "
                          "model's attention_dropout to 0")
     if not isinstance(attention_mask, ShardMask):
-        raise ValueError(f"{layer.where}: sequence parallelism needs transformers' 2-D padding mask, got a "
+        raise TypeError(f"{layer.where}: sequence parallelism needs transformers' 2-D padding mask, got a "
                          f"{type(attention_mask).__name__} mask")
     if layer.take_staged(key, value) is not None or query.shape[2] != key.shape[2]:
         raise ValueError(f"{layer.where}: a sequence-parallel forward runs whole sequences (prefill, training); "
@@ -281,12 +281,15 @@ def shard_batch(input_ids: Tensor, attention_mask: Tensor | None = None, labels:
     next-token labels of the whole sequence, the rank's slice), ``num_items_in_batch`` (labelled tokens of the
     whole batch) and ``labels`` (the rank's slice, which only makes the model compute the loss).
     """
-    if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
-        raise ValueError("input_ids must be the whole batch's token ids [B, S]")
+    if not isinstance(input_ids, Tensor):
+        raise TypeError(f"input_ids must be a tensor [B, S], got {type(input_ids).__name__}")
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be the whole batch's token ids [B, S], got shape {tuple(input_ids.shape)}")
     for name, value in (("attention_mask", attention_mask), ("labels", labels)):
-        if value is not None and (not isinstance(value, Tensor) or value.shape != input_ids.shape):
-            shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
-            raise ValueError(f"{name} must be a tensor [B, S] = {list(input_ids.shape)}, got {shape}")
+        if value is not None and not isinstance(value, Tensor):
+            raise TypeError(f"{name} must be a tensor [B, S], got {type(value).__name__}")
+        if value is not None and value.shape != input_ids.shape:
+            raise ValueError(f"{name} must be a tensor [B, S] = {list(input_ids.shape)}, got {tuple(value.shape)}")
     seq = input_ids.shape[1]
     positions = torch.arange(seq, device=input_ids.device)[None]
     shard = {"input_ids": shard_sequence(input_ids, group, dim=1),
