@@ -1,10 +1,12 @@
-"""Several devices on torch.distributed: sequence-parallel attention (DeepSpeed-Ulysses style all-to-all), and
-tensor-parallel inference of transformers models sharded with ``tp_plan="auto"`` (:mod:`.tensor_parallel`; its
-names are imported on first use: they need transformers)."""
+"""Several devices on torch.distributed: sequence-parallel attention (DeepSpeed-Ulysses style all-to-all), of one
+layer or of a converted transformers model (:mod:`.ulysses_lm`), and tensor-parallel inference of transformers
+models sharded with ``tp_plan="auto"`` (:mod:`.tensor_parallel`). The names of both modules are imported on first
+use: they need transformers."""
 
 from flexsparse.distributed.ulysses import ExchangeBytes, UlyssesAttention, shard_sequence
 
 _TENSOR_PARALLEL = ("RankAttention", "TensorParallelLayer", "rank_kv_heads", "rank_tiles", "tensor_parallel_rank")
+_ULYSSES_MODEL = ("ULYSSES_ATTENTION_NAME", "UlyssesCausalLM", "shard_batch", "ulysses_model")
 
 
 def __getattr__(name: str):
@@ -12,8 +14,24 @@ def __getattr__(name: str):
         from flexsparse.distributed import tensor_parallel
 
         return getattr(tensor_parallel, name)
+    if name in _ULYSSES_MODEL:
+        from flexsparse.distributed import ulysses_lm
+
+        return getattr(ulysses_lm, name)
     raise AttributeError(f"module 'flexsparse.distributed' has no attribute {name!r}")
 
 
-__all__ = ["ExchangeBytes", "RankAttention", "TensorParallelLayer", "UlyssesAttention", "rank_kv_heads", "rank_tiles",
-           "shard_sequence", "tensor_parallel_rank"]
+__all__ = [
+    "ULYSSES_ATTENTION_NAME",
+    "ExchangeBytes",
+    "RankAttention",
+    "TensorParallelLayer",
+    "UlyssesAttention",
+    "UlyssesCausalLM",
+    "rank_kv_heads",
+    "rank_tiles",
+    "shard_batch",
+    "shard_sequence",
+    "tensor_parallel_rank",
+    "ulysses_model",
+]

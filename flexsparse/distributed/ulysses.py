@@ -23,6 +23,10 @@ from flexsparse.masks.geometry import Positions
 
 HEAD_DIM, SEQ_DIM = 1, 2  # of q, k, v and the output [B, heads, S, d]
 
+HeadsCall = Callable[[Tensor, Tensor, Tensor, tuple[int, ...]], Tensor]
+"""``attend(q, k, v, kv_heads) -> out`` on one rank's heads over the whole sequence
+(:meth:`UlyssesAttention.on_heads`)."""
+
 
 @dataclass
 class ExchangeBytes:
@@ -163,21 +167,40 @@ class UlyssesAttention(nn.Module):
     def forward(self, q: Tensor, k: Tensor, v: Tensor, modes: Tensor | int | str | None = None, *,
                 key_padding_mask: Tensor | None = None, positions: Positions | None = None,
                 scale: float | None = None) -> Tensor:
+        self._begin(q, k, v)
+        mask = self._whole_mask(key_padding_mask, q, self.last_exchange)
+
+        def attend(q: Tensor, k: Tensor, v: Tensor, kv_heads: tuple[int, ...]) -> Tensor:
+            return self.attn(q, k, v, modes, key_padding_mask=mask, positions=positions, scale=scale,
+                             kv_heads=kv_heads)
+
+        return self._exchanged(q, k, v, attend, positions)
+
+    def on_heads(self, q: Tensor, k: Tensor, v: Tensor, attend: HeadsCall, *,
+                 positions: Positions | None = None) -> Tensor:
+        """Like :meth:`forward`, with ``attend(q, k, v, kv_heads)`` run on this rank's heads instead of the layer:
+        q ``[B, H/P, S, d]``, k/v ``[B, H_kv/P, S, d]`` (the whole sequence), ``kv_heads`` the layer's indices of
+        those KV heads (ascending), returning ``[B, H/P, S, d]``. For several layer calls per exchange, e.g. the
+        full and sparse outputs a router's training mixes. ``positions``: only checked (whole sequence)."""
+        self._begin(q, k, v)
+        return self._exchanged(q, k, v, attend, positions)
+
+    def _begin(self, q: Tensor, k: Tensor, v: Tensor) -> None:
         self._check_shards(q, k, v)
         if not self._shards_checked:
             self._check_same_shape_on_every_rank(q)
-        stats = self.last_exchange = ExchangeBytes()
-        mask = self._whole_mask(key_padding_mask, q, stats)
+        self.last_exchange = ExchangeBytes()
+
+    def _exchanged(self, q: Tensor, k: Tensor, v: Tensor, attend: HeadsCall, positions: Positions | None) -> Tensor:
         self._check_positions(positions, q)
-        world = self.world_size
+        world, stats = self.world_size, self.last_exchange
         if world == 1:
-            return self.attn(q, k, v, modes, key_padding_mask=mask, positions=positions, scale=scale)
+            return attend(q, k, v, tuple(range(self.attn.num_kv_heads)))
         q, k, v = _Exchange.apply(self.group, world, HEAD_DIM, SEQ_DIM, _recorder(stats, "qkv"),
                                   _recorder(stats, "grad_qkv"), q, k, v)
         share = self.attn.num_kv_heads // world
         rank = dist.get_rank(self.group)
-        out = self.attn(q, k, v, modes, key_padding_mask=mask, positions=positions, scale=scale,
-                        kv_heads=tuple(range(rank * share, (rank + 1) * share)))
+        out = attend(q, k, v, tuple(range(rank * share, (rank + 1) * share)))
         (out,) = _Exchange.apply(self.group, world, SEQ_DIM, HEAD_DIM, _recorder(stats, "out"),
                                  _recorder(stats, "grad_out"), out)
         return out
