@@ -164,7 +164,9 @@ class HybridAttention(nn.Module):
         """Each mode's pattern for this call: content-dependent ones resolved on q/k; None for modes the host
         knows no head uses (their estimators never run)."""
         used = set(range(len(self._pattern_list))) if host_modes is None else set(host_modes)
-        return [None if index not in used else p.resolve(call.q, call.k, call.geometry) if p.is_dynamic else p
+        subset = call.subset_query_heads() if any(p.is_dynamic for p in self._pattern_list) else None
+        return [None if index not in used else
+                p.resolve(call.q, call.k, call.geometry, query_heads=subset) if p.is_dynamic else p
                 for index, p in enumerate(self._pattern_list)]
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, modes: CallModes = None, *,

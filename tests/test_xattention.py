@@ -206,3 +206,26 @@ def test_chunked_prefill_estimates_the_chunk_and_decode_runs_full():
     out = attn(q[:, :, -70:], k, v)
     expected = reference(q[:, :, -70:], k, v, attn.reference_mask(q[:, :, -70:], k))
     torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_subset_of_kv_heads_runs_xa_with_its_own_thresholds(padded):
+    """kv_heads= (a cache group, a Ulysses or tensor-parallel rank): XA is resolved on the subset's q/k with
+    the subset's per-head thresholds, and its rows equal those heads of the whole-layer call."""
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(2, h, 160, 16, generator=gen) for h in (8, 4, 4))
+    thresholds = [0.3, 0.5, 0.7, 0.9, 0.95, 0.6, 0.4, 0.8]
+    attn = HybridAttention(8, 4, 16, {"full": Causal(), "xa": XAttention(thresholds, stride=4, block_size=32)},
+                           modes=["xa", "full", "xa", "xa"], block_size=32, backend="dense")
+    mask = None
+    if padded:
+        mask = torch.ones(2, 160, dtype=torch.bool)
+        mask[1, :37] = False
+    whole = attn(q, k, v, key_padding_mask=mask)
+    heads = [2, 3]
+    part = attn(q[:, 4:8], k[:, heads], v[:, heads], key_padding_mask=mask, kv_heads=heads)
+    torch.testing.assert_close(part, whole[:, 4:8], atol=1e-5, rtol=1e-5)
+    table = XAttention(thresholds, stride=4, block_size=32).select(q[:, 4:8], k[:, heads],
+                                                                   query_heads=torch.arange(4, 8))
+    alone = XAttention(thresholds[4:8], stride=4, block_size=32).select(q[:, 4:8], k[:, heads])
+    assert torch.equal(table, alone)

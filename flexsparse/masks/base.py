@@ -212,8 +212,11 @@ class Pattern(ABC):
         except TypeError as err:  # a value of the wrong kind: the config is bad data
             raise ValueError(f"bad arguments in the config {dict(config)!r}: {err}") from err
 
-    def resolve(self, q: Tensor, k: Tensor, geo: Geometry | None = None) -> Pattern:
-        """The static pattern for these queries/keys. Content-dependent patterns (XA) override this."""
+    def resolve(self, q: Tensor, k: Tensor, geo: Geometry | None = None,
+                query_heads: Tensor | None = None) -> Pattern:
+        """The static pattern for these queries/keys. Content-dependent patterns (XA) override this.
+        ``query_heads`` (int64 ``[H']``): q holds only these query heads of the layer (k their KV heads); the
+        result still describes the layer's ``geo.num_heads`` heads (rows of other heads are never read)."""
         return self
 
     @property

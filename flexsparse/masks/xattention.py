@@ -85,31 +85,52 @@ class XAttention(Pattern):
     def is_dynamic(self) -> bool:
         return True
 
-    def select(self, q: Tensor, k: Tensor, kv_valid_len: Tensor | None = None) -> Tensor:
+    def select(self, q: Tensor, k: Tensor, kv_valid_len: Tensor | None = None,
+               query_heads: Tensor | None = None) -> Tensor:
         """Selected blocks, bool ``[B, H_q, QB, KB]``: queries bottom-right aligned against the keys;
-        ``kv_valid_len`` int ``[B]``: keys and queries at index >= it are padding."""
+        ``kv_valid_len`` int ``[B]``: keys and queries at index >= it are padding; ``query_heads`` int64 ``[H_q]``:
+        the layer's query heads q holds (per-head thresholds are taken for them)."""
         _check_qk(q, k)
         threshold = self._thresholds_on.get(q.device)
         if threshold is None:  # copied to each device once, not per call
             threshold = self._thresholds_on[q.device] = self.threshold.to(q.device)
+        if query_heads is not None and threshold.numel() > 1:
+            if int(query_heads.numel()) != q.shape[1]:
+                raise ValueError(f"query_heads has {query_heads.numel()} entries, q has {q.shape[1]} heads")
+            threshold = threshold.index_select(0, query_heads.to(threshold.device))
         if threshold.numel() not in (1, q.shape[1]):
             raise ValueError(f"threshold has {threshold.numel()} values, q has {q.shape[1]} heads")
         compiled = q.device.type == "cuda" if self.compile is None else self.compile
         return estimate_and_select(q, k, threshold, self.stride, self.block_size, rule=self.rule,
                                    kv_valid_len=kv_valid_len, compiled=compiled)
 
-    def resolve(self, q: Tensor, k: Tensor, geo: Geometry | None = None) -> Pattern:
+    def resolve(self, q: Tensor, k: Tensor, geo: Geometry | None = None,
+                query_heads: Tensor | None = None) -> Pattern:
         """The block table for these inputs (a :class:`BlockTable` over positions), or :class:`Causal` in decode.
-        ``geo`` carries the positions of a padded batch (None: contiguous)."""
+        ``geo`` carries the positions of a padded batch (None: contiguous). With ``query_heads`` (q holds only
+        these query heads of the layer: per-head thresholds are theirs) the table has ``geo.num_heads`` rows, those
+        of other heads empty (never read)."""
         q_len, kv_len = q.shape[2], k.shape[2]
         contiguous = geo is None or geo.is_contiguous or geo.positions.is_contiguous_layout
         if q_len < kv_len and (q_len < self.block_size or not contiguous):
             return Causal()
+        if query_heads is not None and geo is None:
+            raise ValueError("resolve(query_heads=...) needs the layer's geometry (geo) for its number of heads")
         if contiguous:
-            return BlockTable(self.select(q, k), self.block_size, q_start=kv_len - q_len)
-        return BlockTable(self._select_padded(q, k, geo), self.block_size)
+            table = self.select(q, k, query_heads=query_heads)
+            return BlockTable(self._layer_rows(table, query_heads, geo), self.block_size, q_start=kv_len - q_len)
+        table = self._select_padded(q, k, geo, query_heads)
+        return BlockTable(self._layer_rows(table, query_heads, geo), self.block_size)
 
-    def _select_padded(self, q: Tensor, k: Tensor, geo: Geometry) -> Tensor:
+    @staticmethod
+    def _layer_rows(table: Tensor, query_heads: Tensor | None, geo: Geometry | None) -> Tensor:
+        """``table`` ``[B, H', QB, KB]`` of ``query_heads`` placed in the layer's ``[B, H, QB, KB]``."""
+        if query_heads is None:
+            return table
+        full = table.new_zeros(table.shape[0], geo.num_heads, *table.shape[2:])
+        return full.index_copy_(1, query_heads.to(table.device), table)
+
+    def _select_padded(self, q: Tensor, k: Tensor, geo: Geometry, query_heads: Tensor | None = None) -> Tensor:
         """Gather each sequence's real tokens to the front (position p to index p), estimate with the padding
         keys excluded, and select: the table is over positions, like the sequence's own alone."""
         seq = k.shape[2]
@@ -118,7 +139,7 @@ class XAttention(Pattern):
         aligned_q = q.gather(2, index.expand(q.shape[0], q.shape[1], seq, q.shape[3]))
         aligned_k = k.gather(2, index.expand(k.shape[0], k.shape[1], seq, k.shape[3]))
         lengths = geo.sequence_ends().expand(q.shape[0])
-        return self.select(aligned_q, aligned_k, kv_valid_len=lengths)
+        return self.select(aligned_q, aligned_k, kv_valid_len=lengths, query_heads=query_heads)
 
     def _unresolved(self, *_):
         raise ValueError("XAttention is content-dependent: use pattern.resolve(q, k, geo) (HybridAttention does)")

@@ -29,6 +29,13 @@ class AttentionCall:
         """Query heads per KV head (GQA)."""
         return self.q.shape[1] // self.k.shape[1]
 
+    def subset_query_heads(self) -> Tensor | None:
+        """The layer's query heads q holds (int64 on q's device) when it holds only some of them, else None:
+        what a content-dependent pattern is resolved for."""
+        if self.q.shape[1] == self.geometry.num_heads:
+            return None
+        return torch.tensor(query_heads(self.kv_heads, self.group_size), dtype=torch.long, device=self.q.device)
+
 
 @dataclass(frozen=True, eq=False)
 class HeadSelection:

@@ -125,7 +125,7 @@ class FlexExecutor(Executor):
         layer = self.layer_patterns[index] if index < len(self.layer_patterns) else None
         if pattern is None or layer is None or pattern is layer or not layer.is_dynamic:
             return pattern
-        return layer.resolve(call.q[rows], call.k[rows], geo)
+        return layer.resolve(call.q[rows], call.k[rows], geo, query_heads=call.subset_query_heads())
 
     def _run_part(self, geo: Geometry, q: Tensor, k: Tensor, v: Tensor, patterns, modes: GroupModes,
                   heads: HeadSelection, scale: float, needs_grad: bool) -> Tensor:
