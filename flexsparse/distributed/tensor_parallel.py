@@ -181,7 +181,8 @@ class TensorParallelLayer(SparseAttentionLayer):
         self.kv_heads = kv_heads
         self.first_kv_head = kv_heads.start
         self.attention = RankAttention(self.attention, kv_heads)
-        self.groups = cache_groups(list(self.patterns.values()), [self.modes[h] for h in kv_heads])
+        self.groups = cache_groups(list(self.patterns.values()), [self.modes[h] for h in kv_heads],
+                                   self.attention.layer.executors)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, kv_heads={self.kv_heads.start}..{self.kv_heads.stop - 1}"
