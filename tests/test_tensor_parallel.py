@@ -33,7 +33,13 @@ from flexsparse.distributed import (
     rank_tiles,
     tensor_parallel_rank,
 )
-from flexsparse.integrations import SparseKVCache, cache_argument, kv_memory_formula, last_routings
+from flexsparse.integrations import (
+    SparseKVCache,
+    cache_argument,
+    fused_routers,
+    kv_memory_formula,
+    last_routings,
+)
 from flexsparse.integrations.routing import routed_layers
 from flexsparse.masks.geometry import Geometry
 from flexsparse.routers import (
@@ -195,6 +201,14 @@ def check_routed(path: str, kind: str, rank: int, world: int) -> None:
     assert (decided == 0).any() and (decided == 1).any(), "the test's routers must choose both patterns"
     real = mask.bool()
     torch.testing.assert_close(got[real], expected[real], atol=ATOL, rtol=0)
+    # the fused router kernel (the interpreter on CPU) on the rank's states, or the gathered pooled ones
+    with fused_routers(single), fused_routers(sharded), torch.no_grad():
+        expected_fused = single(ids, attention_mask=mask).logits
+        got_fused = sharded(ids, attention_mask=mask).logits
+    for theirs, ours in zip(last_routings(single), last_routings(sharded)):
+        assert ours.fused and theirs.fused
+        assert torch.equal(ours.modes(len(heads)), theirs.modes(KV_HEADS)[:, heads.start:heads.stop])
+    torch.testing.assert_close(got_fused[real], expected_fused[real], atol=ATOL, rtol=0)
     generate = {"attention_mask": mask, "max_new_tokens": NEW_TOKENS, "do_sample": False, "pad_token_id": 0}
     tokens_single, tokens_sharded = single.generate(ids, **generate), sharded.generate(ids, **generate)
     assert torch.equal(tokens_sharded, tokens_single)
