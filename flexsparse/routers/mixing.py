@@ -13,6 +13,8 @@ bit for bit (Elastic's training and the authors' Flux code); with soft weights i
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import Tensor
 
@@ -22,12 +24,11 @@ from flexsparse.routers.base import Routing
 
 
 def _check(attn: HybridAttention, routing: Routing, q: Tensor) -> None:
-    if not isinstance(attn, HybridAttention):
-        from flexsparse.distributed.tensor_parallel import RankAttention  # it imports this package
-
-        if not isinstance(attn, RankAttention):
-            raise TypeError(f"attn must be a flexsparse.HybridAttention (or a tensor-parallel rank's "
-                            f"RankAttention), got {type(attn).__name__}")
+    # a tensor-parallel rank's RankAttention exists only once its module is imported (it needs transformers)
+    rank_attention = getattr(sys.modules.get("flexsparse.distributed.tensor_parallel"), "RankAttention", ())
+    if not isinstance(attn, (HybridAttention, rank_attention)):
+        raise TypeError(f"attn must be a flexsparse.HybridAttention (or a tensor-parallel rank's RankAttention), "
+                        f"got {type(attn).__name__}")
     if not isinstance(routing, Routing):
         raise TypeError(f"routing must be a flexsparse.routers.Routing, got {type(routing).__name__}")
     batch, groups = routing.weights.shape[:2]
