@@ -5,10 +5,12 @@ errors; the balanced selection of full heads and the per-rank tile counts (in-pr
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import sys
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,16 +18,40 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from safetensors.torch import load_file
 
 pytest.importorskip("accelerate")  # transformers' tp_plan needs it (the eval extra)
 
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
 import flexsparse
-from flexsparse import ESA, Causal, SinkWindow, TriangleMix
-from flexsparse.distributed import rank_kv_heads, rank_tiles, tensor_parallel_rank
-from flexsparse.integrations import SparseKVCache, cache_argument, kv_memory_formula
+from flexsparse import ESA, Causal, HybridAttention, SinkWindow, TriangleMix
+from flexsparse.distributed import (
+    RankAttention,
+    TensorParallelLayer,
+    rank_kv_heads,
+    rank_tiles,
+    tensor_parallel_rank,
+)
+from flexsparse.integrations import (
+    SparseKVCache,
+    cache_argument,
+    fused_routers,
+    kv_memory_formula,
+    last_routings,
+)
+from flexsparse.integrations.routing import routed_layers
 from flexsparse.masks.geometry import Geometry
+from flexsparse.routers import (
+    HeadRouter,
+    LayerRouter,
+    Router,
+    Routing,
+    boundary_positions,
+    mix_full_sparse,
+    routed_attention,
+)
+from flexsparse.routers.base import mlp
 from flexsparse.routers.selection import select_modes
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
@@ -113,11 +139,112 @@ def check_model(path: str, rank: int, world: int) -> None:
     with pytest.raises(ValueError, match=f"one rank's share of its {KV_HEADS} KV heads under tensor parallelism "
                                          f"over {world} ranks"):
         flexsparse.convert(sharded, layer_patterns(), local, block_size=4, backend="dense")
-    with pytest.raises(ValueError, match="router=.*tensor parallelism is not supported"):
-        flexsparse.convert(sharded, layer_patterns(), None, router="head")
 
 
-def run_checks(rank: int, world: int, port: int, paths: list[str]) -> None:
+# ----- routers under tensor parallelism ---------------------------------------------------------------------------
+
+ROUTED_PATTERNS = {"full": Causal(), "ssa": SinkWindow(SINK, WINDOW)}
+ROUTER_OPTIONS = {"pool_size": 3, "init_std": 0.3}  # logits of order 1: decisions far from ties
+ROUTER_SEED = 7  # rank 0's router weights; with it the batch's decisions mix full and sparse
+
+
+def flat_router_weights(model) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for layer in routed_layers(model) for p in layer.router.parameters()])
+
+
+def copy_routers(source, target) -> None:
+    for mine, theirs in zip(routed_layers(target), routed_layers(source)):
+        mine.router.load_state_dict(theirs.router.state_dict())
+
+
+def routed_pair(path: str, kind: str, rank: int):
+    """The sharded model converted with ``router=kind`` (each rank seeds its routers differently: convert must
+    give every rank rank 0's weights) and the single-process model converted with the same routers."""
+    single = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    sharded = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, tp_plan="auto").eval()
+    torch.manual_seed(ROUTER_SEED + 1000 * rank)
+    flexsparse.convert(sharded, ROUTED_PATTERNS, router=kind, router_options=ROUTER_OPTIONS, block_size=4,
+                       backend="dense")
+    flexsparse.convert(single, ROUTED_PATTERNS, router=kind, router_options=ROUTER_OPTIONS, block_size=4,
+                       backend="dense")
+    copy_routers(sharded, single)
+    return single, sharded
+
+
+def check_routed(path: str, kind: str, rank: int, world: int) -> None:
+    """Per-rank decisions, prefill logits and generate() tokens of a routed TP model against one process."""
+    ids, mask = inputs()
+    single, sharded = routed_pair(path, kind, rank)
+    mine = flat_router_weights(sharded)
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine)
+    for other in every:
+        assert torch.equal(other, mine)  # rank 0's weights on every rank, each rank having seeded its own
+    with torch.no_grad():
+        expected = single(ids, attention_mask=mask).logits
+        got = sharded(ids, attention_mask=mask).logits
+    heads = rank_kv_heads(KV_HEADS, world, rank)
+    all_modes = []
+    for theirs, ours in zip(last_routings(single), last_routings(sharded)):
+        modes = theirs.modes(KV_HEADS)
+        all_modes.append(modes)
+        if kind == "head":
+            assert ours.logits.shape == (ids.shape[0], len(heads), 2)
+            torch.testing.assert_close(ours.logits, theirs.logits[:, heads.start:heads.stop], atol=1e-5, rtol=0)
+        else:
+            assert ours.logits.shape == (ids.shape[0], 1, 2)
+            torch.testing.assert_close(ours.logits, theirs.logits, atol=1e-5, rtol=0)
+        margin = (theirs.logits[..., 1] - theirs.logits[..., 0]).abs().min()
+        assert margin > 1e-3, f"the test's routers decide too close to a tie ({float(margin)})"
+        assert torch.equal(ours.modes(len(heads)), modes[:, heads.start:heads.stop])
+    decided = torch.stack(all_modes)
+    assert (decided == 0).any() and (decided == 1).any(), "the test's routers must choose both patterns"
+    real = mask.bool()
+    torch.testing.assert_close(got[real], expected[real], atol=ATOL, rtol=0)
+    # the fused router kernel (the interpreter on CPU) on the rank's states, or the gathered pooled ones
+    with fused_routers(single), fused_routers(sharded), torch.no_grad():
+        expected_fused = single(ids, attention_mask=mask).logits
+        got_fused = sharded(ids, attention_mask=mask).logits
+    for theirs, ours in zip(last_routings(single), last_routings(sharded)):
+        assert ours.fused and theirs.fused
+        assert torch.equal(ours.modes(len(heads)), theirs.modes(KV_HEADS)[:, heads.start:heads.stop])
+    torch.testing.assert_close(got_fused[real], expected_fused[real], atol=ATOL, rtol=0)
+    generate = {"attention_mask": mask, "max_new_tokens": NEW_TOKENS, "do_sample": False, "pad_token_id": 0}
+    tokens_single, tokens_sharded = single.generate(ids, **generate), sharded.generate(ids, **generate)
+    assert torch.equal(tokens_sharded, tokens_single)
+    assert tokens_sharded.shape[1] == ids.shape[1] + NEW_TOKENS
+
+
+def check_saved(path: str, rank: int, world: int, directory: str) -> None:
+    """save_config on every rank of a routed TP model (rank 0 writes) = the single-process model's file; loaded
+    on one process and on the TP ranks, the logits of the single-process converted model."""
+    ids, mask = inputs()
+    single, sharded = routed_pair(path, "head", rank)
+    tp_dir, single_dir = os.path.join(directory, "tp"), os.path.join(directory, f"single{rank}")
+    written = flexsparse.save_config(sharded, tp_dir)
+    flexsparse.save_config(single, single_dir)
+    dist.barrier()
+    assert os.path.exists(written)
+    assert json.loads(written.read_text()) == json.loads((Path(single_dir) / "flexsparse.json").read_text())
+    tp_tensors = load_file(os.path.join(tp_dir, "flexsparse.safetensors"))
+    single_tensors = load_file(os.path.join(single_dir, "flexsparse.safetensors"))
+    assert tp_tensors.keys() == single_tensors.keys()
+    assert all(torch.equal(tp_tensors[k], single_tensors[k]) for k in tp_tensors)
+    with torch.no_grad():
+        expected = single(ids, attention_mask=mask).logits
+        loaded = flexsparse.load_config(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(),
+                                        tp_dir)
+        got_single = loaded(ids, attention_mask=mask).logits
+        reloaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, tp_plan="auto").eval()
+        got_sharded = flexsparse.load_config(reloaded, tp_dir)(ids, attention_mask=mask).logits
+    real = mask.bool()
+    assert torch.equal(got_single[real], expected[real])
+    torch.testing.assert_close(got_sharded[real], expected[real], atol=ATOL, rtol=0)
+    assert flexsparse.integrations.layer_modes(reloaded) == flexsparse.integrations.layer_modes(single)
+
+
+def run_checks(rank: int, world: int, port: int, paths: list[str], checks: tuple[str, ...] = ("model",),
+               directory: str | None = None) -> None:
     torch.set_num_threads(1)  # first: no thread pool inherited through fork
     os.environ.update(GLOO_SOCKET_IFNAME=LOOPBACK, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -125,7 +252,13 @@ def run_checks(rank: int, world: int, port: int, paths: list[str]) -> None:
                             timeout=timedelta(seconds=60))
     try:
         for path in paths:
-            check_model(path, rank, world)
+            for check in checks:
+                if check == "model":
+                    check_model(path, rank, world)
+                elif check == "saved":
+                    check_saved(path, rank, world, directory)
+                else:
+                    check_routed(path, check, rank, world)
     finally:
         dist.destroy_process_group()
 
@@ -156,6 +289,18 @@ def saved_models(tmp_path_factory) -> dict[str, str]:
 def test_matches_single_process(saved_models, kind, world):
     mp.start_processes(run_checks, args=(world, free_port(), [saved_models[kind]]), nprocs=world,
                        start_method=START)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_routers_match_single_process(saved_models, kind, world):
+    mp.start_processes(run_checks, args=(world, free_port(), [saved_models[kind]], ("head", "layer")),
+                       nprocs=world, start_method=START)
+
+
+def test_save_config_round_trip(saved_models, tmp_path):
+    mp.start_processes(run_checks, args=(2, free_port(), [saved_models["qwen3"]], ("saved",), str(tmp_path)),
+                       nprocs=2, start_method=START)
 
 
 # ----- in-process: detection and errors ------------------------------------------------------------------------
@@ -298,3 +443,70 @@ def test_calibration_selects_for_tp_size():
     assert select(entropy, 0.5, layer_scores=True, tp_size=4) == [["sparse"] * 4, ["full"] * 4]
     with pytest.raises(ValueError, match="not divisible by tp_size=3"):
         select(entropy, 0.5, layer_scores=True, tp_size=3)
+
+
+# ----- in-process: routers on one rank's heads --------------------------------------------------------------------
+
+
+def test_routed_attention_on_rank_heads():
+    """A rank's RankAttention under a routing of its KV heads = the layer's routed output for those heads, in the
+    training mix (forward and the routing logits' gradient) and the inference call."""
+    layer = HybridAttention(HEADS, KV_HEADS, HEAD_DIM, ROUTED_PATTERNS, [0] * KV_HEADS, block_size=4,
+                            backend="dense")
+    heads = range(2, 4)
+    rank = RankAttention(layer, heads)
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, HEADS, 12, HEAD_DIM, generator=gen)
+    k, v = (torch.randn(2, KV_HEADS, 12, HEAD_DIM, generator=gen) for _ in range(2))
+    logits = torch.randn(2, KV_HEADS, 2, generator=gen, requires_grad=True)
+    group = HEADS // KV_HEADS
+    q_rank, k_rank, v_rank = q[:, 2 * group:4 * group], k[:, 2:4], v[:, 2:4]
+
+    def routing(part: torch.Tensor) -> Routing:
+        soft = part.softmax(-1)
+        hard = torch.nn.functional.one_hot(soft.argmax(-1), 2).to(soft.dtype)
+        return Routing(part, hard + soft - soft.detach(), 0, 1)  # straight-through, as a router's training
+
+    whole = mix_full_sparse(layer, q, k, v, routing(logits))
+    (whole_grad,) = torch.autograd.grad(whole[:, 2 * group:4 * group].square().sum(), logits)
+    mine = mix_full_sparse(rank, q_rank, k_rank, v_rank, routing(logits[:, 2:4]))
+    (mine_grad,) = torch.autograd.grad(mine.square().sum(), logits)
+    torch.testing.assert_close(mine, whole[:, 2 * group:4 * group], atol=ATOL, rtol=0)
+    torch.testing.assert_close(mine_grad, whole_grad, atol=ATOL, rtol=0)  # zero outside the rank's heads
+    assert mine_grad[:, 2:4].abs().sum() > 0
+    with torch.no_grad():
+        decided = routing(logits.detach())
+        expected = routed_attention(layer, q, k, v, decided)[:, 2 * group:4 * group]
+        got = routed_attention(rank, q_rank, k_rank, v_rank, routing(logits.detach()[:, 2:4]))
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+    assert decided.is_sparse.any() and not decided.is_sparse.all()
+    with pytest.raises(ValueError, match="routing decides 4 KV heads, attn has num_kv_heads=2"):
+        routed_attention(rank, q_rank, k_rank, v_rank, decided)
+
+
+class PerQueryHeadRouter(Router):
+    """A router that decides per query head: neither a head router nor head-averaging (no kind: not
+    registered)."""
+
+    def __init__(self, head_dim: int) -> None:
+        super().__init__(head_dim)
+        self.task_mlp = mlp([head_dim, head_dim, head_dim])
+        self.router_mlp = mlp([head_dim, head_dim, head_dim, 2])
+
+    def forward(self, states, key_padding_mask=None, *, boundary=None):
+        return self.router_mlp(self.task_mlp(self.pool(states, key_padding_mask, boundary)))
+
+
+def test_tensor_parallel_router_errors():
+    options = {"block_size": 4, "backend": "dense", "plan": "auto", "kv_heads": range(2)}
+    args = (0, "layers.0", HEADS, KV_HEADS, HEAD_DIM, ROUTED_PATTERNS, [0] * KV_HEADS)
+    with pytest.raises(ValueError, match="router for layer 0 \\(PerQueryHeadRouter\\) neither decides each KV "
+                                         "head"):
+        TensorParallelLayer(*args, router=PerQueryHeadRouter(HEAD_DIM), **options)
+    with pytest.raises(ValueError, match="a LayerRouter averages every head: a tensor-parallel rank needs the "
+                                         "process group"):
+        TensorParallelLayer(*args, router=LayerRouter(HEAD_DIM), **options)
+    state = TensorParallelLayer(*args, router=HeadRouter(HEAD_DIM), **options)  # per KV head: no group needed
+    states = torch.randn(2, 12, 2, HEAD_DIM)
+    boundary = boundary_positions(None, 2, 12, 3, "cpu")
+    assert state.router_states(states, boundary) == (states, boundary)

@@ -9,6 +9,13 @@ per-KV-head modes (the same modes as on one device; patterns with per-head data 
 indices), run on the rank's heads through its ``kv_heads`` argument (:class:`RankAttention`). A
 :class:`~flexsparse.SparseKVCache` of the model then holds the rank's heads only.
 
+Routers (``convert(..., router=...)``) run on every rank with the same weights (convert broadcasts them from the
+group's first rank). A head router decides each KV head from that head's key states alone: each rank routes its
+own heads from its own states, the decisions the single-process model makes for them. A router that averages the
+heads (the layer router) pools each rank's heads, all-gathers the pooled ``[B, H/P, d]`` states over the group
+(:meth:`TensorParallelLayer.router_states`; never the sequence) and decides from every head, the same decision on
+every rank.
+
 :func:`rank_tiles` counts the attention tiles each rank computes for given modes: per-rank cost, for balancing
 the full heads across the ranks (:func:`~flexsparse.routers.selection.select_modes` with ``tp_size``).
 """
@@ -19,12 +26,14 @@ import numbers
 from collections.abc import Mapping, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from flexsparse.attention import HybridAttention
 from flexsparse.integrations.layer import SparseAttentionLayer, cache_groups
 from flexsparse.masks import Pattern
 from flexsparse.masks.geometry import Geometry, Positions
+from flexsparse.routers import Boundary, HeadRouter, Router, gather_pool
 from flexsparse.runtime.modes import mode_index
 from flexsparse.validation import as_int
 
@@ -43,11 +52,8 @@ def rank_kv_heads(num_kv_heads: int, tp_size: int, rank: int, where: str = "the 
     return range(rank * share, (rank + 1) * share)
 
 
-def tensor_parallel_rank(model: nn.Module) -> tuple[int, int] | None:
-    """``(rank, size)`` of ``model`` in its tensor-parallel group when transformers sharded it (``tp_plan``, size
-    above 1), else None. Read from ``model.tp_size`` (``_tp_size`` where the property is missing) and the rank's
-    coordinate on the ``"tp"`` dimension of ``model._device_mesh`` (a 1-D mesh, or a named dimension of a larger
-    one)."""
+def _tensor_parallel_mesh(model: nn.Module):
+    """The 1-D ``"tp"`` device mesh of a model transformers sharded (``tp_plan``, size above 1), else None."""
     size = getattr(model, "tp_size", None)
     if size is None:
         size = getattr(model, "_tp_size", None)
@@ -62,7 +68,46 @@ def tensor_parallel_rank(model: nn.Module) -> tuple[int, int] | None:
     if tp_mesh is None or tp_mesh.size() != int(size):
         raise ValueError(f"cannot find the tensor-parallel dimension of size {size} in the model's device mesh "
                          f"{mesh} (dimensions {names})")
-    return tp_mesh.get_local_rank(), int(size)
+    return tp_mesh
+
+
+def tensor_parallel_rank(model: nn.Module) -> tuple[int, int] | None:
+    """``(rank, size)`` of ``model`` in its tensor-parallel group when transformers sharded it (``tp_plan``, size
+    above 1), else None. Read from ``model.tp_size`` (``_tp_size`` where the property is missing) and the rank's
+    coordinate on the ``"tp"`` dimension of ``model._device_mesh`` (a 1-D mesh, or a named dimension of a larger
+    one)."""
+    tp_mesh = _tensor_parallel_mesh(model)
+    return None if tp_mesh is None else (tp_mesh.get_local_rank(), tp_mesh.size())
+
+
+def tensor_parallel_group(model: nn.Module) -> dist.ProcessGroup | None:
+    """The process group of ``model``'s tensor-parallel ranks (its ranks in the order of their KV heads), or None
+    when the model is not sharded (see :func:`tensor_parallel_rank`)."""
+    tp_mesh = _tensor_parallel_mesh(model)
+    return None if tp_mesh is None else tp_mesh.get_group()
+
+
+def check_tensor_parallel_router(router: Router | None, where: str) -> None:
+    """ValueError for a router a tensor-parallel rank cannot run: only per-KV-head routers from key states
+    (:class:`~flexsparse.routers.HeadRouter`) and routers that average the heads (``average_heads``) are
+    supported."""
+    per_kv_head = isinstance(router, HeadRouter)
+    if router is None or per_kv_head or router.average_heads:
+        return
+    raise ValueError(f"router for {where} ({type(router).__name__}) neither decides each KV head from its own key "
+                     "states (HeadRouter) nor averages the heads (average_heads); under tensor parallelism "
+                     "flexsparse runs only those two kinds")
+
+
+def broadcast_routers(layers: Sequence[SparseAttentionLayer], group: dist.ProcessGroup) -> None:
+    """Give every rank of ``group`` the routers' weights of its first rank (parameters and buffers, in place), so
+    that all ranks decide alike whatever each initialised. One broadcast per tensor, at convert time."""
+    source = dist.get_global_rank(group, 0)
+    with torch.no_grad():
+        for layer in layers:
+            if layer.router is not None:
+                for tensor in (*layer.router.parameters(), *layer.router.buffers()):
+                    dist.broadcast(tensor.data, source, group=group)
 
 
 def _local_rows(weight: Tensor) -> int:
@@ -171,18 +216,46 @@ class TensorParallelLayer(SparseAttentionLayer):
     """A converted attention module's state on one tensor-parallel rank: ``modes`` are the layer's global
     per-KV-head modes (as on one device; ``mode_names`` too), ``attention`` a :class:`RankAttention` over the
     rank's ``kv_heads``, and ``groups`` the sparse KV cache's grouping of the rank's heads only (local indices;
-    ``first_kv_head`` is the layer index of local head 0)."""
+    ``first_kv_head`` is the layer index of local head 0). ``group``: the tensor-parallel process group, through
+    which a head-averaging ``router`` sees every head's pooled states (:meth:`router_states`)."""
 
     def __init__(self, layer_idx: int, path: str, num_heads: int, num_kv_heads: int, head_dim: int,
                  patterns: Mapping[str, Pattern], modes: Sequence[int], *, kv_heads: range, block_size: int,
-                 backend: str, plan: str) -> None:
+                 backend: str, plan: str, group: dist.ProcessGroup | None = None,
+                 router: Router | None = None) -> None:
+        check_tensor_parallel_router(router, f"layer {layer_idx}")
+        if router is not None and router.average_heads and group is None:
+            raise ValueError(f"a {type(router).__name__} averages every head: a tensor-parallel rank needs the "
+                             "process group (group=) to gather the other ranks' pooled states")
         super().__init__(layer_idx, path, num_heads, num_kv_heads, head_dim, patterns, modes,
-                         block_size=block_size, backend=backend, plan=plan)
+                         block_size=block_size, backend=backend, plan=plan, router=router)
         self.kv_heads = kv_heads
         self.first_kv_head = kv_heads.start
-        executors = self.attention.executors
+        self.group = group
         self.attention = RankAttention(self.attention, kv_heads)
-        self.groups = cache_groups(list(self.patterns.values()), [self.modes[h] for h in kv_heads], executors)
+        self.groups = cache_groups(list(self.patterns.values()), [self.modes[h] for h in kv_heads],
+                                   self.attention.layer.executors)
+
+    def router_states(self, states: Tensor, boundary: Boundary) -> tuple[Tensor, Boundary]:
+        """What the router reads from the rank's captured ``states`` ``[B, S, H/P, d]`` (or ``H_kv/P``).
+
+        A head router: the rank's states as they are (it decides each of the rank's KV heads from its own
+        states). A head-averaging router: every head's pooled states, as one token ``[B, 1, H, d]`` with a
+        boundary that pools that token alone (weight 1, so pooling returns it exactly): the rank pools its heads
+        (``[B, H/P, d]``, the states' dtype, as the router pools them) and all-gathers them over the group in
+        rank order, which is head order. Every rank then decides from the pooled states the single-process router
+        computes.
+        """
+        if not self.router.average_heads:
+            return states, boundary
+        mine = gather_pool(states, boundary).contiguous()  # [B, H/P, d]
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(every, mine, group=self.group)
+        pooled = torch.cat(every, dim=1)[:, None]  # [B, 1, H, d]
+        batch, slots = boundary.positions.shape
+        weights = torch.zeros(batch, slots, dtype=torch.float32, device=states.device)
+        weights[:, 0] = 1.0
+        return pooled, Boundary(torch.zeros_like(boundary.positions), weights, 1)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, kv_heads={self.kv_heads.start}..{self.kv_heads.stop - 1}"

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from flexsparse.attention import HybridAttention
 from flexsparse.heads import query_heads
 from flexsparse.masks import Pattern, SinkWindow
-from flexsparse.routers import Router, Routing
+from flexsparse.routers import Boundary, Router, Routing
 from flexsparse.runtime.executors import Executor
 
 GroupKind = Literal["full", "keep", "ring"] | str
@@ -173,6 +173,11 @@ class SparseAttentionLayer(nn.Module):
                              "the update); flexsparse's cache cannot serve this model, pass use_cache=False or a "
                              "DynamicCache")
         return cache_layer
+
+    def router_states(self, states: Tensor, boundary: Boundary) -> tuple[Tensor, Boundary]:
+        """The states ``[B, S, H, d]`` and boundary the router reads, from the captured ones: these (a
+        tensor-parallel rank's layer gathers what its router needs from the other ranks)."""
+        return states, boundary
 
     def remove_hooks(self) -> None:
         """Remove the router's capture hooks from the attention module."""

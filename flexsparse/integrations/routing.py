@@ -17,6 +17,10 @@ sequence's modes at prefill; decode steps reuse the decision.
 * **Fused inference**: eval-mode routing on CUDA runs the fused Triton kernel (one launch per layer instead of
   ~200 aten calls; several times faster on an H100, host time included: docs/notes/routers.md);
   :func:`fused_routers` forces it on (the interpreter too) or off.
+* **Tensor parallelism**: on a rank of a model sharded by heads, a head router decides the rank's KV heads from
+  their key states; a layer router decides from every head's pooled query states, gathered over the
+  tensor-parallel group (:meth:`~flexsparse.distributed.TensorParallelLayer.router_states`): the decisions of one
+  process, on every rank.
 * **Caches**: per-sequence modes need every key in every head, so routed models decode with a ``DynamicCache``
   (``generate()`` keeps the one it builds; :class:`~flexsparse.SparseKVCache` refuses routed models).
 """
@@ -172,6 +176,7 @@ def routed_layer_attention(layer: SparseAttentionLayer, query: Tensor, key: Tens
                              "call the hooked projection before attention)")
         settings = layer.settings
         boundary = forward_boundary(layer.router, states, mask, settings.pool_mask)
+        states, boundary = layer.router_states(states, boundary)  # under tensor parallelism: see its layer
         fused = False if layer.router.training else settings.fused  # training: torch (noise, gradients)
         try:
             routing = layer.router.route(states, boundary=boundary, tau=settings.tau, hard=settings.hard,

@@ -19,6 +19,13 @@ Learned tensors (parameters and persistent buffers of each layer's flexsparse st
 stored in ``flexsparse.safetensors`` under ``layers.<index>.<name>`` (``layers.3.router.task_mlp.0.weight``).
 ``load_config(model, directory)`` rebuilds each layer's router from its config (``Router.from_config``),
 converts ``model`` with the saved patterns, modes, options and routers, then loads those tensors.
+
+Under tensor parallelism (a model sharded with ``tp_plan``, converted on every rank) the file is the global
+configuration, the one the single-process converted model writes: the layers' head counts and every KV head's
+modes, the routers and their weights (the same on every rank). The rank of coordinate 0 in the tensor-parallel
+group writes it; the others write nothing (call it on every rank or on that one; synchronise, e.g. with
+``dist.barrier()``, before another process reads the files). ``load_config`` reads it on one process or on every
+rank of a tensor-parallel model.
 """
 
 from __future__ import annotations
@@ -45,11 +52,19 @@ def _patterns_to_dict(patterns) -> dict:
 
 def save_config(model: nn.Module, directory: str | Path) -> Path:
     """Write the converted model's flexsparse configuration (and learned tensors, if any) into ``directory``;
-    returns the JSON file's path."""
+    returns the JSON file's path. On a tensor-parallel model only the group's first rank writes (the global
+    configuration); the other ranks return the path without writing."""
     layers = sparse_layers(model)
     if not layers:
         raise ValueError("save_config: the model was not converted by flexsparse.convert")
     directory = Path(directory)
+    path = directory / CONFIG_FILE
+    from flexsparse.distributed.tensor_parallel import tensor_parallel_rank  # it imports this package
+
+    placement = tensor_parallel_rank(model)
+    if placement is not None and placement[0] != 0:
+        return path
+    heads = [layer_heads(module)[:2] for _, module in attention_layers(model)]  # the config's: every rank's
     directory.mkdir(parents=True, exist_ok=True)
     shared = _patterns_to_dict(layers[0].patterns)
     entries = []
@@ -67,8 +82,8 @@ def save_config(model: nn.Module, directory: str | Path) -> Path:
     config = {
         "format": FORMAT, "version": VERSION,
         "model": {"class": type(model).__name__, "num_layers": len(layers),
-                  "num_heads": [layer.attention.num_heads for layer in layers],
-                  "num_kv_heads": [layer.attention.num_kv_heads for layer in layers]},
+                  "num_heads": [num_heads for num_heads, _ in heads],
+                  "num_kv_heads": [num_kv for _, num_kv in heads]},
         "options": dict(layers[0].options),
         "patterns": shared,
         "layers": entries,
@@ -78,7 +93,6 @@ def save_config(model: nn.Module, directory: str | Path) -> Path:
 
         save_file(tensors, str(directory / WEIGHTS_FILE))
         config["weights"] = WEIGHTS_FILE
-    path = directory / CONFIG_FILE
     path.write_text(json.dumps(config, indent=2) + "\n")
     return path
 

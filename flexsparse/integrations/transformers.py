@@ -313,18 +313,15 @@ def convert(model: PreTrainedModel, patterns: Mapping[str, Pattern] | Sequence[M
     by heads; each rank's attention receives its own heads) is converted on every rank with the same, global
     ``modes``; each rank runs its contiguous block of KV heads in their modes and its sparse KV cache holds them
     only (:mod:`flexsparse.distributed.tensor_parallel`). ValueError when a layer's KV heads are not divisible by
-    the tensor-parallel size; routers are not supported there yet (ValueError).
+    the tensor-parallel size. Routers run there too: convert gives every rank the router weights of the group's
+    first rank; a head router decides the rank's KV heads, a layer router gathers every head's pooled query
+    states over the group, so each rank makes the single-process model's decisions for its heads.
     """
     register()
     layers = attention_layers(model)
     per_layer = _layer_patterns(patterns, len(layers))
     heads = [layer_heads(module) for _, module in layers]
     rank_heads = _tensor_parallel_heads(model, layers, heads)
-    if rank_heads is not None and router is not None:
-        raise ValueError("convert(router=...) under tensor parallelism is not supported yet: a router decides from "
-                         "the states of every head and runs through HybridAttention directly; convert the "
-                         "tensor-parallel model with static modes (e.g. from flexsparse.calibrate or "
-                         "select_modes(..., tp_size=...))")
     routers: list = [None] * len(layers)
     if router is not None:
         factory = router_factory(router, router_options, per_layer, [dim for _, _, dim in heads])
@@ -340,6 +337,11 @@ def convert(model: PreTrainedModel, patterns: Mapping[str, Pattern] | Sequence[M
         modes = [[found.full_mode] * kv for found, (_, kv, _) in zip(routers, heads)]
     tp_size = 1 if rank_heads is None else heads[0][1] // len(rank_heads[0])
     mode_indices = _layer_modes(modes, per_layer, [kv for _, kv, _ in heads], tp_size)
+    group = None
+    if rank_heads is not None and any(found is not None for found in routers):
+        from flexsparse.distributed.tensor_parallel import tensor_parallel_group
+
+        group = tensor_parallel_group(model)
     states = []
     for index, ((path, module), layer_patterns, (num_heads, num_kv, dim), layer_modes, layer_router) in enumerate(
             zip(layers, per_layer, heads, mode_indices, routers)):
@@ -352,12 +354,17 @@ def convert(model: PreTrainedModel, patterns: Mapping[str, Pattern] | Sequence[M
                 from flexsparse.distributed.tensor_parallel import TensorParallelLayer  # imports this module
 
                 state = TensorParallelLayer(index, path, num_heads, num_kv, dim, layer_patterns, layer_modes,
-                                            kv_heads=rank_heads[index], **options)
+                                            kv_heads=rank_heads[index], group=group, router=layer_router,
+                                            **options)
         except (TypeError, ValueError) as err:
             raise type(err)(f"layer {index} ({path}): {err}") from err
         state.train(model.training)  # a router samples (Gumbel) only in training mode, as the model does
         parameter = next(module.parameters(), None)
         states.append(state if parameter is None else state.to(parameter.device))
+    if group is not None:
+        from flexsparse.distributed.tensor_parallel import broadcast_routers
+
+        broadcast_routers(states, group)  # every rank decides with the same weights
     previous = getattr(model, "_flexsparse_previous_attention", None) or model.config._attn_implementation
     _detach(model)
     settings = RouterSettings()

@@ -7,10 +7,13 @@ every head in the full pattern and one with every head in the sparse pattern (no
 through HybridAttention's dense backend (flex has no CPU backward), on GPU through flex, forward and backward.
 The mix ``(1 - w) * out_full + w * out_sparse`` with ``w`` exactly 0 or 1 returns the selected output
 bit for bit (Elastic's training and the authors' Flux code); with soft weights it is Flux's convex combination
-(paper Eq. 5).
+(paper Eq. 5). ``attn`` may also be a tensor-parallel rank's
+:class:`~flexsparse.distributed.RankAttention`: the routing then decides the rank's KV heads.
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 from torch import Tensor
@@ -21,8 +24,11 @@ from flexsparse.routers.base import Routing
 
 
 def _check(attn: HybridAttention, routing: Routing, q: Tensor) -> None:
-    if not isinstance(attn, HybridAttention):
-        raise TypeError(f"attn must be a flexsparse.HybridAttention, got {type(attn).__name__}")
+    # a tensor-parallel rank's RankAttention exists only once its module is imported (it needs transformers)
+    rank_attention = getattr(sys.modules.get("flexsparse.distributed.tensor_parallel"), "RankAttention", ())
+    if not isinstance(attn, (HybridAttention, rank_attention)):
+        raise TypeError(f"attn must be a flexsparse.HybridAttention (or a tensor-parallel rank's RankAttention), "
+                        f"got {type(attn).__name__}")
     if not isinstance(routing, Routing):
         raise TypeError(f"routing must be a flexsparse.routers.Routing, got {type(routing).__name__}")
     batch, groups = routing.weights.shape[:2]
