@@ -27,6 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from flexsparse.eval.calibration import GateOptions  # noqa: E402
 from flexsparse.eval.methods import parse_method  # noqa: E402
 from flexsparse.eval.models import load_model  # noqa: E402
 from flexsparse.eval.records import (  # noqa: E402
@@ -38,7 +39,6 @@ from flexsparse.eval.records import (  # noqa: E402
 )
 from flexsparse.eval.runner import evaluate  # noqa: E402
 from flexsparse.eval.text import Corpus  # noqa: E402
-from flexsparse.integrations.calibration import GateOptions  # noqa: E402
 
 FIRST = ["full", "ssa", "index", "hsa", "retrieval", "gates", "gates:global=1"]
 LAST = ["xa", "triangle", "esa"]

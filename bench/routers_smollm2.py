@@ -32,6 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from flexsparse.eval.calibration import GateOptions  # noqa: E402
 from flexsparse.eval.methods import ConfigMethod, parse_method  # noqa: E402
 from flexsparse.eval.models import load_model  # noqa: E402
 from flexsparse.eval.records import (  # noqa: E402
@@ -41,10 +42,9 @@ from flexsparse.eval.records import (  # noqa: E402
     with_ratios,
     write_records,
 )
+from flexsparse.eval.router_fitting import train_routers  # noqa: E402
 from flexsparse.eval.runner import evaluate  # noqa: E402
 from flexsparse.eval.text import Corpus  # noqa: E402
-from flexsparse.integrations import train_routers  # noqa: E402
-from flexsparse.integrations.calibration import GateOptions  # noqa: E402
 from flexsparse.masks import SinkWindow  # noqa: E402
 
 KINDS = ("head", "layer")

@@ -1,7 +1,7 @@
 """XAttention calibrated to keep 0.9 of the true attention mass, on the default real model (SmolLM2), GPU.
 
 Calibrates per-(layer, query head) thresholds and a stride per layer (16, 8 or 4) on the calibration windows
-(:func:`flexsparse.integrations.xa_calibration.calibrate_xa`), then measures on *held-out* windows, per layer
+(:func:`flexsparse.eval.xa_calibration.calibrate_xa`), then measures on *held-out* windows, per layer
 at ``--length``: the true kept mass per query row (exact float32 softmax of the captured q/k) -- its 5th
 percentile, the share of rows keeping at least the target, the worst head's share -- and the block density,
 for XAttention at threshold 0.9 / stride 16 and for the calibrated patterns; then perplexity at ``--length``
@@ -34,7 +34,7 @@ from flexsparse.eval.models import load_model  # noqa: E402
 from flexsparse.eval.records import RESULTS_FILE, markdown_table, with_ratios, write_records  # noqa: E402
 from flexsparse.eval.runner import evaluate  # noqa: E402
 from flexsparse.eval.text import Corpus  # noqa: E402
-from flexsparse.integrations.xa_calibration import (  # noqa: E402
+from flexsparse.eval.xa_calibration import (  # noqa: E402
     MassStats,
     calibrate_xa,
     capture_qk,

@@ -22,17 +22,21 @@ from flexsparse.runtime.compiled import RecompileLimitError
 
 __version__ = "0.1.0"
 
-_INTEGRATION = ("RouterTrainer", "SparseKVCache", "calibrate", "convert", "load_config", "revert",
-                "save_config")
+# name -> the subpackage it is imported from on first use
+_LAZY = {
+    "RouterTrainer": "integrations", "SparseKVCache": "integrations", "convert": "integrations",
+    "load_config": "integrations", "revert": "integrations", "save_config": "integrations",
+    "calibrate": "eval",
+}
 
 
 def __getattr__(name: str):
-    """The transformers drop-in (``flexsparse.convert`` ...), imported on first use: flexsparse itself does not
-    need transformers."""
-    if name in _INTEGRATION:
-        from flexsparse import integrations
+    """The transformers drop-in (``flexsparse.convert`` ...) and calibration (``flexsparse.calibrate``),
+    imported on first use: flexsparse itself does not need transformers."""
+    if name in _LAZY:
+        import importlib
 
-        return getattr(integrations, name)
+        return getattr(importlib.import_module(f"flexsparse.{_LAZY[name]}"), name)
     raise AttributeError(f"module 'flexsparse' has no attribute {name!r}")
 
 __all__ = [

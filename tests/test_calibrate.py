@@ -25,7 +25,7 @@ def _window():
 
 
 def test_budgets_select_the_top_scores_per_layer_or_over_the_model():
-    from flexsparse.integrations.calibration import select
+    from flexsparse.eval.calibration import select
 
     scores = torch.arange(LAYERS * KV_HEADS, dtype=torch.float32).flip(0).view(LAYERS, KV_HEADS) % 7
     per_layer = select(scores, 1 / 3)
@@ -46,7 +46,7 @@ def test_budgets_select_the_top_scores_per_layer_or_over_the_model():
 
 @requires_model
 def test_captured_retrieval_scores_equal_the_models_eager_attention_weights():
-    from flexsparse.integrations.calibration import needle_inputs, retrieval_head_scores
+    from flexsparse.eval.calibration import needle_inputs, retrieval_head_scores
 
     loaded = real_model()
     model = loaded.model
@@ -66,8 +66,8 @@ def test_captured_retrieval_scores_equal_the_models_eager_attention_weights():
 
 @requires_model
 def test_gates_at_one_and_zero_give_the_full_and_the_converted_model():
+    from flexsparse.eval.calibration import gated
     from flexsparse.integrations import convert, revert
-    from flexsparse.integrations.calibration import gated
     from flexsparse.masks import Causal
 
     model = real_model().model
@@ -98,7 +98,7 @@ def test_gates_at_one_and_zero_give_the_full_and_the_converted_model():
 
 @requires_model
 def test_gate_training_reaches_every_gate():
-    from flexsparse.integrations.calibration import GateOptions, calibration_scores, gated
+    from flexsparse.eval.calibration import GateOptions, calibration_scores, gated
 
     loaded = real_model()
     model, ids = loaded.model, real_corpus().windows(128, 1, split="calibration")
@@ -120,7 +120,7 @@ def test_gate_training_reaches_every_gate():
 
 @requires_model
 def test_hsa_and_entropy_scores_leave_the_model_unchanged():
-    from flexsparse.integrations.calibration import calibration_scores
+    from flexsparse.eval.calibration import calibration_scores
 
     loaded = real_model()
     ids = real_corpus().windows(128, 1)

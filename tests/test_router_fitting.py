@@ -11,9 +11,7 @@ make the passkey answer cheaper than untrained routing at the same budget; bad a
 import pytest
 import torch
 
-from flexsparse.eval.text import Corpus, default_text
-from flexsparse.integrations import convert, is_converted, load_config, revert, routed_layers
-from flexsparse.integrations.router_fitting import (
+from flexsparse.eval.router_fitting import (
     FIT_FILE,
     budget_offset,
     check_set,
@@ -23,6 +21,8 @@ from flexsparse.integrations.router_fitting import (
     text_batch,
     train_routers,
 )
+from flexsparse.eval.text import Corpus, default_text
+from flexsparse.integrations import convert, is_converted, load_config, revert, routed_layers
 from flexsparse.masks import Causal, SinkWindow
 from flexsparse.routers import HeadRouter, LayerRouter
 from tests.hf_util import KV_HEADS, LAYERS, one_thread, tiny_model  # noqa: F401  (autouse fixture)

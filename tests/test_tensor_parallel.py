@@ -430,7 +430,7 @@ def test_rank_tiles():
 
 
 def test_calibration_selects_for_tp_size():
-    from flexsparse.integrations.calibration import Calibration, select
+    from flexsparse.eval.calibration import Calibration, select
 
     scores = torch.tensor([[9.0, 8.0, 1.0, 0.0], [0.0, 1.0, 2.0, 3.0]])
     balanced = [["full", "sparse", "full", "sparse"], ["sparse", "full", "sparse", "full"]]

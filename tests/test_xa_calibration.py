@@ -1,4 +1,4 @@
-"""XAttention calibrated to keep a target share of the true attention mass (integrations.xa_calibration).
+"""XAttention calibrated to keep a target share of the true attention mass (eval.xa_calibration).
 
 Checks: the blockwise true mass and the kept share equal a brute-force dense softmax (GQA, odd lengths,
 chunked queries, bottom-right queries); captured q/k give the model's own eager attention weights; the
@@ -28,8 +28,8 @@ def _brute_kept(q, k, table, block, scale):
 
 @pytest.mark.parametrize("q_len,kv_len,chunk_bytes", [(50, 50, 1 << 30), (37, 70, 1 << 30), (50, 50, 4096)])
 def test_kept_mass_equals_a_brute_force_dense_softmax(q_len, kv_len, chunk_bytes, monkeypatch):
-    from flexsparse.integrations import xa_calibration
-    from flexsparse.integrations.xa_calibration import kept_mass, true_block_mass
+    from flexsparse.eval import xa_calibration
+    from flexsparse.eval.xa_calibration import kept_mass, true_block_mass
 
     monkeypatch.setattr(xa_calibration, "_CHUNK_BYTES", chunk_bytes)  # 4096: a few queries per chunk
     gen = torch.Generator().manual_seed(q_len + kv_len)
@@ -47,14 +47,14 @@ def test_kept_mass_equals_a_brute_force_dense_softmax(q_len, kv_len, chunk_bytes
 
 
 def test_kept_fraction_rejects_a_table_of_the_wrong_shape():
-    from flexsparse.integrations.xa_calibration import kept_fraction
+    from flexsparse.eval.xa_calibration import kept_fraction
 
     with pytest.raises(ValueError, match="table must be bool"):
         kept_fraction(torch.rand(1, 2, 40, 3), torch.ones(1, 2, 2, 3, dtype=torch.bool), 16)
 
 
 def test_captured_qk_give_the_models_eager_attention_weights():
-    from flexsparse.integrations.xa_calibration import capture_qk, true_block_mass
+    from flexsparse.eval.xa_calibration import capture_qk, true_block_mass
 
     model = tiny_model("llama")
     ids = torch.randint(1, VOCAB, (2, 40), generator=torch.Generator().manual_seed(0))
@@ -77,7 +77,7 @@ def test_captured_qk_give_the_models_eager_attention_weights():
 
 
 def test_bisection_finds_the_lowest_threshold_that_covers_the_target():
-    from flexsparse.integrations.xa_calibration import calibrate_thresholds, covered_share, true_block_mass
+    from flexsparse.eval.xa_calibration import calibrate_thresholds, covered_share, true_block_mass
     from flexsparse.kernels.xa_estimate import antidiagonal_block_mass
     from flexsparse.masks.xa_selection import select_blocks
 
@@ -108,8 +108,8 @@ def _tiny_corpus(tokens: int):
 
 
 def test_calibration_on_a_tiny_model_covers_every_head_and_leaves_it_unconverted():
+    from flexsparse.eval.xa_calibration import calibrate_xa
     from flexsparse.integrations import is_converted
-    from flexsparse.integrations.xa_calibration import calibrate_xa
 
     model = tiny_model("llama")
     cal = calibrate_xa(model, None, 0.95, 0.9, corpus=_tiny_corpus(600), length=128, samples=3,
@@ -125,7 +125,7 @@ def test_calibration_on_a_tiny_model_covers_every_head_and_leaves_it_unconverted
     ({"target": 0.0}, "target"), ({"quantile": 1.5}, "quantile"), ({"strides": 16}, "strides"),
     ({"strides": (16, 12)}, "strides"), ({"block_size": 8}, "block_size")])
 def test_calibration_settings_are_checked(kwargs, message):
-    from flexsparse.integrations.xa_calibration import check_calibration
+    from flexsparse.eval.xa_calibration import check_calibration
 
     settings = {"target": 0.9, "quantile": 0.95, "strides": (16, 8), "block_size": 128} | kwargs
     with pytest.raises((ValueError, TypeError), match=message):
@@ -134,7 +134,7 @@ def test_calibration_settings_are_checked(kwargs, message):
 
 @requires_model
 def test_calibrated_xa_keeps_the_target_on_the_real_model_where_threshold_alone_does_not():
-    from flexsparse.integrations.xa_calibration import calibrate_xa, capture_qk, kept_mass
+    from flexsparse.eval.xa_calibration import calibrate_xa, capture_qk, kept_mass
 
     loaded = real_model()
     target, quantile, block, length = 0.9, 0.95, 64, 512

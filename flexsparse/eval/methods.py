@@ -7,11 +7,11 @@
 ``xa``          XAttention on every head (``threshold=0.9,stride=16,block_size=128``); ``calibrated=1``:
                 per-(layer, head) thresholds calibrated so that XA keeps ``threshold`` of the *true* attention
                 mass on ``quantile=0.95`` of the query rows, trying strides ``stride``, ``stride/2``,
-                ``stride/4`` per layer (:mod:`flexsparse.integrations.xa_calibration`), on the calibration
+                ``stride/4`` per layer (:mod:`flexsparse.eval.xa_calibration`), on the calibration
                 windows (``calibration_length`` tokens; once per run and setting)
 ``triangle``    TriangleMix on every head (``sink=64,window=256,last_q=128``)
 ``esa``         ESA on every head (``attn_length=256``); a model not trained with ESA loses its quality
-``hsa``         calibrated selectors (:mod:`flexsparse.integrations.calibration`): ``budget=0.3333`` of the
+``hsa``         calibrated selectors (:mod:`flexsparse.eval.calibration`): ``budget=0.3333`` of the
 ``retrieval``   KV heads full (``global=1``: one ranking over the model instead of the same count per layer),
 ``entropy``     the others sink + window (``sink``, ``window``); scores come from the calibration part of the
 ``gates``       corpus, never from the evaluated text, and are computed once per run and selector
@@ -30,12 +30,12 @@ from pathlib import Path
 
 from torch import nn
 
+from flexsparse.eval.calibration import SELECTORS, GateOptions, calibration_scores, select
 from flexsparse.eval.text import Corpus
+from flexsparse.eval.xa_calibration import calibrate_xa, check_calibration
 from flexsparse.integrations import convert, load_config
-from flexsparse.integrations.calibration import SELECTORS, GateOptions, calibration_scores, select
 from flexsparse.integrations.layer import sparse_layers
 from flexsparse.integrations.transformers import attention_layers, layer_heads
-from flexsparse.integrations.xa_calibration import calibrate_xa, check_calibration
 from flexsparse.masks import ESA, Causal, Pattern, SinkWindow, TriangleMix, XAttention
 from flexsparse.specs import split_spec
 
@@ -138,7 +138,7 @@ class SelectedMethod(Method):
 @dataclass
 class CalibratedXAMethod(Method):
     """XAttention on every head with thresholds calibrated to keep ``target`` of the true attention mass on
-    ``quantile`` of the query rows (:func:`~flexsparse.integrations.xa_calibration.calibrate_xa`), at the
+    ``quantile`` of the query rows (:func:`~flexsparse.eval.xa_calibration.calibrate_xa`), at the
     antidiagonal stride of ``strides`` that keeps the fewest blocks per layer."""
 
     name: str

@@ -23,13 +23,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from flexsparse.eval.calibration import GateOptions
 from flexsparse.eval.methods import Method, Setup
 from flexsparse.eval.models import LoadedModel
 from flexsparse.eval.records import Record
 from flexsparse.eval.tasks import Prompt, Task, get_task, recall
 from flexsparse.eval.text import Corpus
 from flexsparse.integrations import is_converted, kv_memory_formula, revert
-from flexsparse.integrations.calibration import GateOptions
 from flexsparse.integrations.layer import sparse_layers
 from flexsparse.integrations.transformers import attention_layers, layer_heads
 from flexsparse.runtime import compiled

@@ -3,7 +3,7 @@
 The default corpus is Python's own language documentation, ``pydoc_data.topics`` (every CPython ships it: about
 465,000 characters, 113,000 tokens of SmolLM2's tokenizer); ``--text FILE ...`` takes the user's own. A corpus
 is tokenized once and split in two disjoint parts: the first ``calibration_fraction`` of its tokens for
-calibration (:mod:`flexsparse.integrations.calibration`), the rest held out for evaluation (perplexity windows
+calibration (:mod:`flexsparse.eval.calibration`), the rest held out for evaluation (perplexity windows
 and the haystacks of the retrieval tasks), so a calibrated configuration is never scored on the text it saw.
 """
 

@@ -1,10 +1,9 @@
 """flexsparse inside model libraries. ``transformers``: convert / revert a causal LM, a sparse KV cache for
-``generate()``, calibration of its full heads on real text, routers inside a converted model and their trainer, and
-its saved configuration (needs the ``hf`` extra: ``pip install flexsparse[hf]``)."""
+``generate()``, routers inside a converted model and their trainer, and its saved configuration (needs the
+``hf`` extra: ``pip install flexsparse[hf]``). Calibration and router fitting on real text: the ``eval`` package.
+"""
 
-from flexsparse.integrations.calibration import Calibration, calibrate
 from flexsparse.integrations.kv_cache import SparseKVCache, kv_memory_formula
-from flexsparse.integrations.router_fitting import RouterFit, train_routers
 from flexsparse.integrations.router_trainer import RouterTrainer
 from flexsparse.integrations.routing import (
     fused_routers,
@@ -27,12 +26,9 @@ from flexsparse.integrations.transformers import (
 
 __all__ = [
     "ATTENTION_NAME",
-    "Calibration",
-    "RouterFit",
     "RouterTrainer",
     "SparseKVCache",
     "cache_argument",
-    "calibrate",
     "convert",
     "fused_routers",
     "is_converted",
@@ -46,6 +42,5 @@ __all__ = [
     "router_parameters",
     "save_config",
     "sparse_generate_cache",
-    "train_routers",
     "training",
 ]
