@@ -1,7 +1,7 @@
 """Several devices on torch.distributed: sequence-parallel attention (DeepSpeed-Ulysses style all-to-all), of one
 layer or of a converted transformers model (:mod:`.ulysses_lm`), and tensor-parallel inference of transformers
-models sharded with ``tp_plan="auto"`` (:mod:`.tensor_parallel`). The names of both modules are imported on first
-use: they need transformers."""
+models sharded with ``tp_plan="auto"`` (:mod:`flexsparse.integrations.tensor_parallel`, re-exported here). The
+names of both modules are imported on first use: they need transformers."""
 
 from flexsparse.distributed.ulysses import ExchangeBytes, UlyssesAttention, shard_sequence
 
@@ -11,7 +11,7 @@ _ULYSSES_MODEL = ("ULYSSES_ATTENTION_NAME", "UlyssesCausalLM", "shard_batch", "u
 
 def __getattr__(name: str):
     if name in _TENSOR_PARALLEL:
-        from flexsparse.distributed import tensor_parallel
+        from flexsparse.integrations import tensor_parallel
 
         return getattr(tensor_parallel, name)
     if name in _ULYSSES_MODEL:

@@ -59,7 +59,7 @@ def save_config(model: nn.Module, directory: str | Path) -> Path:
         raise ValueError("save_config: the model was not converted by flexsparse.convert")
     directory = Path(directory)
     path = directory / CONFIG_FILE
-    from flexsparse.distributed.tensor_parallel import tensor_parallel_rank  # it imports this package
+    from flexsparse.integrations.tensor_parallel import tensor_parallel_rank  # it imports transformers.py
 
     placement = tensor_parallel_rank(model)
     if placement is not None and placement[0] != 0:

@@ -261,7 +261,7 @@ def _tensor_parallel_heads(model: PreTrainedModel, layers: list[tuple[str, nn.Mo
                            heads: list[tuple[int, int, int]]) -> list[range] | None:
     """Each layer's KV heads on this rank when transformers sharded the model by heads (``tp_plan``), else None.
     ValueError naming the layer when its KV heads do not divide among the ranks or k_proj is not sharded so."""
-    from flexsparse.distributed.tensor_parallel import (  # it imports this package
+    from flexsparse.integrations.tensor_parallel import (  # it imports this package
         check_sharded_heads,
         rank_kv_heads,
         tensor_parallel_rank,
@@ -312,7 +312,7 @@ def convert(model: PreTrainedModel, patterns: Mapping[str, Pattern] | Sequence[M
     Tensor parallelism: a model loaded with ``from_pretrained(..., tp_plan="auto")`` (transformers shards q/k/v
     by heads; each rank's attention receives its own heads) is converted on every rank with the same, global
     ``modes``; each rank runs its contiguous block of KV heads in their modes and its sparse KV cache holds them
-    only (:mod:`flexsparse.distributed.tensor_parallel`). ValueError when a layer's KV heads are not divisible by
+    only (:mod:`flexsparse.integrations.tensor_parallel`). ValueError when a layer's KV heads are not divisible by
     the tensor-parallel size. Routers run there too: convert gives every rank the router weights of the group's
     first rank; a head router decides the rank's KV heads, a layer router gathers every head's pooled query
     states over the group, so each rank makes the single-process model's decisions for its heads.
@@ -339,7 +339,7 @@ def convert(model: PreTrainedModel, patterns: Mapping[str, Pattern] | Sequence[M
     mode_indices = _layer_modes(modes, per_layer, [kv for _, kv, _ in heads], tp_size)
     group = None
     if rank_heads is not None and any(found is not None for found in routers):
-        from flexsparse.distributed.tensor_parallel import tensor_parallel_group
+        from flexsparse.integrations.tensor_parallel import tensor_parallel_group
 
         group = tensor_parallel_group(model)
     states = []
@@ -351,7 +351,7 @@ def convert(model: PreTrainedModel, patterns: Mapping[str, Pattern] | Sequence[M
                 state = SparseAttentionLayer(index, path, num_heads, num_kv, dim, layer_patterns, layer_modes,
                                              router=layer_router, **options)
             else:
-                from flexsparse.distributed.tensor_parallel import TensorParallelLayer  # imports this module
+                from flexsparse.integrations.tensor_parallel import TensorParallelLayer  # imports this module
 
                 state = TensorParallelLayer(index, path, num_heads, num_kv, dim, layer_patterns, layer_modes,
                                             kv_heads=rank_heads[index], group=group, router=layer_router,
@@ -362,7 +362,7 @@ def convert(model: PreTrainedModel, patterns: Mapping[str, Pattern] | Sequence[M
         parameter = next(module.parameters(), None)
         states.append(state if parameter is None else state.to(parameter.device))
     if group is not None:
-        from flexsparse.distributed.tensor_parallel import broadcast_routers
+        from flexsparse.integrations.tensor_parallel import broadcast_routers
 
         broadcast_routers(states, group)  # every rank decides with the same weights
     previous = getattr(model, "_flexsparse_previous_attention", None) or model.config._attn_implementation

@@ -25,7 +25,7 @@ from flexsparse.routers.base import Routing
 
 def _check(attn: HybridAttention, routing: Routing, q: Tensor) -> None:
     # a tensor-parallel rank's RankAttention exists only once its module is imported (it needs transformers)
-    rank_attention = getattr(sys.modules.get("flexsparse.distributed.tensor_parallel"), "RankAttention", ())
+    rank_attention = getattr(sys.modules.get("flexsparse.integrations.tensor_parallel"), "RankAttention", ())
     if not isinstance(attn, (HybridAttention, rank_attention)):
         raise TypeError(f"attn must be a flexsparse.HybridAttention (or a tensor-parallel rank's RankAttention), "
                         f"got {type(attn).__name__}")
