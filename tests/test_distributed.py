@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from flexsparse import ESA, Causal, HybridAttention, Positions, SinkWindow, TriangleMix
+from flexsparse import ESA, Causal, HybridAttention, Positions, SinkWindow, TriangleMix, XAttention
 from flexsparse.distributed import UlyssesAttention, shard_sequence
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*flex_attention called without torch.compile.*")
@@ -86,6 +86,12 @@ def checks(rank: int, world: int) -> None:
     check_against_whole(sp, per_input[1], mask_given="shard")  # [H_kv]; the mask shards all-gathered
     assert sp.last_exchange.padding_mask == B * S // world * (world - 1)
     check_against_whole(sp, "tri", positions=Positions.from_padding_mask(padding_mask(), S))
+    # XA resolved on each rank's heads with their own per-head thresholds (one KV head per rank at P = 4)
+    thresholds = [0.3, 0.95, 0.5, 0.8, 0.6, 0.4, 0.9, 0.7]
+    xa = HybridAttention(H, H_KV, D, {"full": Causal(), "xa": XAttention(thresholds, stride=4, block_size=16)},
+                         ["xa", "full", "xa", "xa"], block_size=8, backend="dense")
+    check_against_whole(UlyssesAttention(xa))
+    check_against_whole(UlyssesAttention(xa), mask_given="whole")
 
     with pytest.raises(ValueError, match="not divisible by the group size"):
         shard_sequence(torch.zeros(B, H, S + 1, D))
