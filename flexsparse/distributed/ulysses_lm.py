@@ -38,6 +38,7 @@ from flexsparse.distributed.ulysses import UlyssesAttention, shard_sequence
 from flexsparse.heads import per_query_head
 from flexsparse.integrations.forward_mask import ForwardMask
 from flexsparse.integrations.layer import SparseAttentionLayer
+from flexsparse.integrations.transformers import check_attention_arguments
 from flexsparse.masks import Positions
 from flexsparse.routers import Boundary, boundary_positions
 
@@ -45,7 +46,6 @@ ULYSSES_ATTENTION_NAME = "flexsparse_ulysses"
 """The name :func:`ulysses_model` registers in transformers' attention and mask registries."""
 
 _STATE = "flexsparse_ulysses"  # attribute of each converted attention module
-_UNSUPPORTED_KWARGS = ("sliding_window", "softcap", "s_aux", "sinks")
 IGNORE_INDEX = -100
 
 
@@ -115,12 +115,7 @@ def ulysses_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tens
     if not isinstance(state, UlyssesLayer) or state.layer is not layer:
         raise ValueError(f"attention module {type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) was "
                          "not prepared by flexsparse.distributed.ulysses_model (call it after flexsparse.convert)")
-    for name in _UNSUPPORTED_KWARGS:
-        if kwargs.get(name) is not None:
-            raise ValueError(f"{layer.where}: flexsparse does not support the attention argument {name!r}")
-    if dropout and module.training:
-        raise ValueError(f"{layer.where}: flexsparse has no attention dropout (got dropout={dropout}); set the "
-                         "model's attention_dropout to 0")
+    check_attention_arguments(layer, module, dropout, kwargs)
     if not isinstance(attention_mask, ShardMask):
         raise TypeError(f"{layer.where}: sequence parallelism needs transformers' 2-D padding mask, got a "
                          f"{type(attention_mask).__name__} mask")

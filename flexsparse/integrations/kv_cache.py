@@ -317,6 +317,10 @@ class _OwnDecode(_EveryKey):
     """Heads of one pattern whose executor decodes them itself (ESA's: its gather reads the new token's
     ``attn_length`` keys from the filled slots, the Triton kernel on CUDA, its PyTorch form elsewhere)."""
 
+    def __init__(self, group: CacheGroup, group_size: int, counts: _Counts, max_length: int | None) -> None:
+        super().__init__(group, group_size, counts, max_length)
+        self._global_heads: tuple[int, ...] | None = None
+
     def attend(self, layer: SparseAttentionLayer, q: Tensor, key: Tensor, value: Tensor, mask: ForwardMask,
                past: int, scale: float | None, decode: str | None = None) -> Tensor:
         self.write(key, value, past)
@@ -329,9 +333,14 @@ class _OwnDecode(_EveryKey):
             q_positions = table.q
             key_slots = mask.state.cache_key_slots(tokens, lambda: table.key_slots()[:, :table.span].to(torch.int32))
         return self.group.executor.decode_step(self.pick_q(q), self.keys[:, :, :tokens], self.values[:, :, :tokens],
-                                               self.group.pattern,
-                                               [layer.first_kv_head + head for head in self.group.kv_heads], scale,
+                                               self.group.pattern, self._layer_heads(layer), scale,
                                                q_positions=q_positions, key_slots=key_slots)
+
+    def _layer_heads(self, layer: SparseAttentionLayer) -> tuple[int, ...]:
+        """The group's KV heads in the layer's global numbering (a tensor-parallel rank's start added), once."""
+        if self._global_heads is None:
+            self._global_heads = tuple(layer.first_kv_head + head for head in self.group.kv_heads)
+        return self._global_heads
 
 
 class _FlexKeys(_EveryKey):

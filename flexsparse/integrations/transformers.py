@@ -76,14 +76,9 @@ def flexsparse_mask(batch_size: int, q_length: int, kv_length: int, q_offset: in
     return ForwardMask(padding, batch_size, q_length, kv_length, device, q_start)
 
 
-def flexsparse_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
-                         attention_mask: ForwardMask | None, scaling: float | None = None, dropout: float = 0.0,
-                         **kwargs) -> tuple[Tensor, None]:
-    """transformers attention function: q ``[B, H, S_q, d]``, k/v ``[B, H_kv, S_kv, d]`` -> ``[B, S_q, H, d]``."""
-    layer = getattr(module, "flexsparse", None)
-    if not isinstance(layer, SparseAttentionLayer):
-        raise ValueError(f"attention module {type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) "
-                         "was not converted by flexsparse.convert")
+def check_attention_arguments(layer: SparseAttentionLayer, module: nn.Module, dropout: float, kwargs: dict) -> None:
+    """ValueError for what a converted layer cannot run: the model's own sliding window, softcap / sinks, or
+    attention dropout in training (every flexsparse attention function checks these)."""
     if kwargs.get("sliding_window") is not None:
         raise ValueError(f"{layer.where}: the model asks for its own sliding window "
                          f"({kwargs['sliding_window']}); flexsparse replaces the layer's attention pattern, see "
@@ -94,6 +89,17 @@ def flexsparse_attention(module: nn.Module, query: Tensor, key: Tensor, value: T
     if dropout and module.training:
         raise ValueError(f"{layer.where}: flexsparse has no attention dropout (got dropout={dropout}); set the "
                          "model's attention_dropout to 0")
+
+
+def flexsparse_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                         attention_mask: ForwardMask | None, scaling: float | None = None, dropout: float = 0.0,
+                         **kwargs) -> tuple[Tensor, None]:
+    """transformers attention function: q ``[B, H, S_q, d]``, k/v ``[B, H_kv, S_kv, d]`` -> ``[B, S_q, H, d]``."""
+    layer = getattr(module, "flexsparse", None)
+    if not isinstance(layer, SparseAttentionLayer):
+        raise ValueError(f"attention module {type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) "
+                         "was not converted by flexsparse.convert")
+    check_attention_arguments(layer, module, dropout, kwargs)
     if attention_mask is not None and not isinstance(attention_mask, ForwardMask):
         raise ValueError(f"{layer.where}: flexsparse needs transformers' 2-D padding mask, got a "
                          f"{type(attention_mask).__name__} mask (a prepared 4-D mask, or a model that builds its own "

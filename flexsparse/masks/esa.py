@@ -21,6 +21,8 @@ twice; none exists). Indices are int32 inside ``mask_mod``, so ``kv_len * max(w,
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -98,9 +100,10 @@ class ESA(Pattern):
         return _start_and_window(positions, self.attn_length, max(self.num_layers - 1, 1),
                                  max(self.num_layers - 1, 1) - self.layer_idx)
 
-    @property
+    @functools.cached_property
     def index_rule(self) -> EsaIndexRule:
-        """The four integers the ESA kernels take (:class:`~flexsparse.kernels.esa_index.EsaIndexRule`)."""
+        """The four integers the ESA kernels take (:class:`~flexsparse.kernels.esa_index.EsaIndexRule`), built once
+        (a decode step reads it per layer)."""
         return EsaIndexRule(self.layer_idx, self.num_layers, self.attn_length, self.num_heads)
 
     def indices(self, positions: Tensor) -> Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +35,13 @@ class AttentionCall:
         what a content-dependent pattern is resolved for."""
         if self.q.shape[1] == self.geometry.num_heads:
             return None
-        return torch.tensor(query_heads(self.kv_heads, self.group_size), dtype=torch.long, device=self.q.device)
+        return _query_head_index(self.kv_heads, self.group_size, self.q.device)
+
+
+@functools.lru_cache(maxsize=256)
+def _query_head_index(kv_heads: tuple[int, ...], group_size: int, device: torch.device) -> Tensor:
+    """The query heads of ``kv_heads`` as an int64 tensor on ``device``, copied there once."""
+    return torch.tensor(query_heads(kv_heads, group_size), dtype=torch.long, device=device)
 
 
 @dataclass(frozen=True, eq=False)
