@@ -12,6 +12,11 @@ attention settings of the same loaded model:
   ``select_modes(..., tp_size=P)``'s choice);
 - ``unbalanced``: the same 2 + 6 heads with both full heads in rank 0's block (KV heads 0 and 1).
 
+With ``--nproc-per-node 1`` the same model runs on one GPU (loaded without ``tp_plan``): the baseline TP is
+compared with. After each setting's timings, rank 0 saves the last hidden states of the last ``--check-rows``
+positions of a ``--check-len``-token prompt to ``DIR/hidden-SETTING-wP.pt``; ``--compare DIR_A DIR_B`` (no torchrun)
+prints max |difference| / max |reference| of each setting found in both and exits 1 above ``--compare-tol``.
+
 For each: prefill of ``--seqs`` tokens (batch 1, the decoder without the LM head; median of CUDA-event-timed
 forwards after warm-up), and at ``--decode-len`` one-token decode steps after a prefill of that many tokens
 (median step). Per rank, the time inside the attention function alone (CUDA events around each call, summed
@@ -20,6 +25,8 @@ slowest rank's, and the attention times show the imbalance. Also per rank: the K
 prefill and :func:`flexsparse.distributed.rank_tiles` of each layout.
 
     torchrun --nproc-per-node 2 bench/tp_gpus.py --out DIR
+    torchrun --nproc-per-node 1 bench/tp_gpus.py --settings sdpa balanced --layout-world 2 --out DIR1  # 1 GPU
+    python bench/tp_gpus.py --compare DIR1 DIR                           # outputs: 1 GPU against 2
     torchrun --nproc-per-node 2 bench/tp_gpus.py --tiny --out DIR   # CPU, gloo, toy sizes (a correctness run)
 
 (with this checkout first on PYTHONPATH; needs transformers and accelerate). Rank 0 prints one table and writes
@@ -76,13 +83,16 @@ class TPBenchConfig:
     warmup: int = 1
     steps: int = 3
     decode_steps: int = 20
+    check_len: int = 8192
+    check_rows: int = 64
     check_atol: float | None = None
     """--tiny: the largest |difference| of TP and single-process hidden states allowed (None: no check)."""
 
 
 TINY = TPBenchConfig(device="cpu", dtype="float32", backend="dense", layers=2, hidden=128, heads=16, kv_heads=8,
                      head_dim=8, intermediate=256, vocab=256, sink=4, window=16, block_size=16, seqs=[64, 128],
-                     decode_len=128, warmup=1, steps=2, decode_steps=4, check_atol=1e-4)
+                     decode_len=128, warmup=1, steps=2, decode_steps=4, check_len=64, check_rows=8,
+                     check_atol=1e-4)
 
 
 def model_config(cfg: TPBenchConfig) -> LlamaConfig:
@@ -216,6 +226,38 @@ def measure(model, cfg: TPBenchConfig, setting: str, device: torch.device, timer
     return row
 
 
+@torch.no_grad()
+def save_hidden(model, cfg: TPBenchConfig, setting: str, out: str | None, device: torch.device) -> None:
+    """Rank 0 writes the last ``check_rows`` hidden states (float32, CPU) of a ``check_len``-token prompt."""
+    hidden = model.model(input_ids=prompt(cfg, cfg.check_len, device), use_cache=False).last_hidden_state
+    if out and dist.get_rank() == 0:
+        os.makedirs(out, exist_ok=True)
+        rows = hidden[0, -cfg.check_rows:].float().cpu()
+        torch.save(rows, os.path.join(out, f"hidden-{setting}-w{dist.get_world_size()}.pt"))
+
+
+def compare(dir_a: str, dir_b: str, tol: float) -> int:
+    """max |a - b| / max |a| of the hidden states of each setting saved in both folders; 1 when any is above tol."""
+    def saved(directory: str) -> dict[str, str]:
+        names = [n for n in os.listdir(directory) if n.startswith("hidden-") and n.endswith(".pt")]
+        return {n[len("hidden-"):].rsplit("-w", 1)[0]: os.path.join(directory, n) for n in names}
+
+    a, b = saved(dir_a), saved(dir_b)
+    common = sorted(set(a) & set(b))
+    if not common:
+        print(f"no setting has hidden states in both {dir_a} and {dir_b}", file=sys.stderr)
+        return 2
+    worst = 0.0
+    for setting in common:
+        ref, got = torch.load(a[setting]), torch.load(b[setting])
+        error = ((got - ref).abs().max() / ref.abs().max()).item()
+        worst = max(worst, error)
+        print(f"{setting}: max|diff|/max|ref| {error:.2e} ({os.path.basename(a[setting])} vs "
+              f"{os.path.basename(b[setting])}; tol {tol:.0e})")
+    print("PASS" if worst <= tol else "FAIL")
+    return 0 if worst <= tol else 1
+
+
 def hidden_check(path: str, cfg: TPBenchConfig, modes: list[list[str]], patterns: dict, sharded) -> float:
     """Largest |difference| of the converted TP model's last hidden states and a converted single-process model's
     (every rank loads the whole model: toy sizes only)."""
@@ -251,7 +293,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-dir", help="where the random model is saved and reused (default: a temp folder)")
     parser.add_argument("--out", help="folder for tp.json")
     parser.add_argument("--tiny", action="store_true", help="toy sizes on the CPU, gloo, with a correctness check")
+    parser.add_argument("--settings", nargs="+", choices=["sdpa", "balanced", "unbalanced"],
+                        default=["sdpa", "balanced", "unbalanced"], help="which attention settings to run")
+    parser.add_argument("--layout-world", type=int,
+                        help="ranks the balanced layout is chosen for (default: the world size); 2 on one GPU "
+                             "gives the modes a 2-GPU run uses, so --compare matches them")
+    parser.add_argument("--compare", nargs=2, metavar=("DIR_A", "DIR_B"),
+                        help="compare the hidden states two runs saved (no torchrun) and exit")
+    parser.add_argument("--compare-tol", type=float, default=5e-2,
+                        help="largest max|diff|/max|ref| --compare accepts (bf16 over 16 layers; default 5e-2)")
     args = parser.parse_args(argv)
+    if args.compare:
+        return compare(*args.compare, args.compare_tol)
     cfg = TINY if args.tiny else TPBenchConfig()
     if args.seqs:
         cfg.seqs = sorted(args.seqs)
@@ -281,18 +334,21 @@ def main(argv: list[str] | None = None) -> int:
             os.makedirs(directory, exist_ok=True)
             save_model(cfg, directory, device)
         dist.barrier()
-        model = AutoModelForCausalLM.from_pretrained(directory, dtype=getattr(torch, cfg.dtype), tp_plan="auto",
-                                                     attn_implementation="sdpa").eval()
+        sharding = {"tp_plan": "auto"} if world > 1 else {"device_map": {"": device}}
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=getattr(torch, cfg.dtype),
+                                                     attn_implementation="sdpa", **sharding).eval()
         timer = AttentionTimer(device)
         sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
         patterns = {"full": Causal(), "ssa": SinkWindow(cfg.sink, cfg.window)}
-        modes = layouts(cfg, world)
+        modes = {name: layer_modes for name, layer_modes in layouts(cfg, args.layout_world or world).items() if name in args.settings}
         rows, begin = [], time.perf_counter()
-        AttentionInterface.register("sdpa", timer.wrap(sdpa))
-        try:
-            rows.append(measure(model, cfg, "sdpa", device, timer))
-        finally:
-            AttentionInterface.register("sdpa", sdpa)
+        if "sdpa" in args.settings:
+            AttentionInterface.register("sdpa", timer.wrap(sdpa))
+            try:
+                rows.append(measure(model, cfg, "sdpa", device, timer))
+            finally:
+                AttentionInterface.register("sdpa", sdpa)
+            save_hidden(model, cfg, "sdpa", args.out, device)
         check = None
         for setting, layer_modes in modes.items():
             flexsparse.convert(model, patterns, layer_modes, block_size=cfg.block_size, backend=cfg.backend)
@@ -300,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
                 check = hidden_check(directory, cfg, layer_modes, patterns, model)
             AttentionInterface.register(ATTENTION_NAME, timer.wrap(flexsparse_attention))  # convert registers its own
             rows.append(measure(model, cfg, setting, device, timer))
+            save_hidden(model, cfg, setting, args.out, device)
             if device.type == "cuda":
                 torch.cuda.empty_cache()  # the last decode cache
             if rank == 0:
