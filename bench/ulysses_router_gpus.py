@@ -268,11 +268,15 @@ def exchange_ms(sent_bytes: int, cfg: RouterBenchConfig, device: torch.device) -
 
 
 def step_exchange_ms(exchanges: list, cfg: RouterBenchConfig, device: torch.device) -> float:
-    """All-to-all milliseconds of one step: every layer's four exchanges, each size timed once."""
+    """All-to-all milliseconds of one step: every layer's exchanges, each size timed once. The first layer's
+    backward sends no q/k/v gradients (its q/k/v need none: the model is frozen, only its output's routing
+    weights train)."""
     timed: dict[int, float] = {}
     total = 0.0
     for stats in exchanges:
         for sent in (stats.qkv, stats.out, stats.grad_out, stats.grad_qkv):
+            if sent == 0:
+                continue
             if sent not in timed:
                 timed[sent] = exchange_ms(sent, cfg, device)
             total += timed[sent]
