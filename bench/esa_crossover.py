@@ -40,7 +40,8 @@ from flexsparse import HybridAttention
 from flexsparse.kernels.availability import triton_version
 from flexsparse.masks import ESA
 from flexsparse.runtime.dense_kernels import PASSES
-from flexsparse.runtime.esa_executor import EsaExecutor, load_esa_kernel_table
+from flexsparse.runtime.esa_executor import EsaExecutor
+from flexsparse.runtime.esa_kernel_table import load_esa_kernel_table
 from flexsparse.runtime.flex import FlexExecutor
 
 HEADS, KV_HEADS, DIM, LAYER, NUM_LAYERS = 32, 8, 128, 4, 8

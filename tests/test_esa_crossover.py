@@ -18,11 +18,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from flexsparse.masks import ESA, Causal, Geometry
-from flexsparse.runtime import esa_executor
+from flexsparse.runtime import esa_executor, esa_kernel_table
 from flexsparse.runtime.call import AttentionCall
-from flexsparse.runtime.esa_executor import (
-    SECONDS_PER_QUERY_KEY,
-    EsaExecutor,
+from flexsparse.runtime.esa_executor import SECONDS_PER_QUERY_KEY, EsaExecutor
+from flexsparse.runtime.esa_kernel_table import (
     EsaRates,
     device_table,
     device_table_from_json,
@@ -46,12 +45,13 @@ def entry(pass_name, length, attn_length, kernel_ps, flex_ps):
 H100_ROWS = [
     # forward: the kernel is faster at every length
     entry("forward", 2048, 64, 60, 240), entry("forward", 8192, 64, 50, 300), entry("forward", 32768, 64, 40, 600),
-    # forward+backward: flex is faster up to 8K, the kernel at 32K; crossing at 8K * 4**0.25 (11585)
+    # forward+backward: flex is faster up to 8K, the kernel at 32K; linear in log2 length the rates meet at
+    # t = 0.2 of the two octaves from 8K: 8K * 2**0.4 (10810)
     entry("forward_backward", 2048, 64, 500, 250), entry("forward_backward", 8192, 64, 400, 300),
     entry("forward_backward", 32768, 64, 300, 700),
     entry("forward_backward", 8192, 256, 200, 100),
 ]
-CROSSING = 8192 * 4**0.25
+CROSSING = 8192 * 2**0.4
 TABLE = {"about": "test", "devices": {
     "H100": {"dtype": "bfloat16", "head_dim": 128, "measured": None, "entries": H100_ROWS},
     "H100 PCIe": {"dtype": "bfloat16", "head_dim": 64, "entries": [entry("forward", 4096, 64, 7, 8)]},
@@ -64,9 +64,9 @@ def table(tmp_path, monkeypatch):
     """TABLE written to a file, loaded as the process's table; device names faked by index."""
     path = tmp_path / "esa_kernel.json"
     path.write_text(json.dumps(TABLE))
-    monkeypatch.setattr(esa_executor, "ESA_KERNEL_TABLE", load_esa_kernel_table(path))
-    monkeypatch.setattr(esa_executor, "cuda_device_name", NAMES.__getitem__)
-    return esa_executor.ESA_KERNEL_TABLE
+    monkeypatch.setattr(esa_kernel_table, "ESA_KERNEL_TABLE", load_esa_kernel_table(path))
+    monkeypatch.setattr(esa_kernel_table, "cuda_device_name", NAMES.__getitem__)
+    return esa_kernel_table.ESA_KERNEL_TABLE
 
 
 @pytest.fixture
@@ -74,7 +74,7 @@ def meta_as_h100(monkeypatch):
     """Meta-device calls looked up as an H100 whose kernel runs (the table is set on the returned dict's "table";
     None: no table)."""
     state = {"table": H100}
-    monkeypatch.setattr(esa_executor, "device_table", lambda device: state["table"])
+    monkeypatch.setattr(esa_kernel_table, "device_table", lambda device: state["table"])
     monkeypatch.setattr(esa_executor, "kernels_preferred_on", lambda device: True)
     return state
 
@@ -102,8 +102,8 @@ ESA_HEADS, FULL_HEADS = (0, 1, 2, 3), (4, 5, 6, 7)
 def test_shipped_table_loads():
     """The shipped table (empty until measured on a device: bench/esa_crossover.py --write-table) is what the
     process reads."""
-    assert load_esa_kernel_table() == esa_executor.ESA_KERNEL_TABLE
-    for table in esa_executor.ESA_KERNEL_TABLE.values():
+    assert load_esa_kernel_table() == esa_kernel_table.ESA_KERNEL_TABLE
+    for table in esa_kernel_table.ESA_KERNEL_TABLE.values():
         assert table.dtype == torch.bfloat16 and table.head_dim == DIM
         assert {p for p, _, _ in table.rows} == {"forward", "forward_backward"}
 
@@ -142,9 +142,9 @@ def test_planner_sends_esa_heads_to_flex_where_the_table_says_flex_is_faster(met
 
 @given(length=st.integers(1024, 65536))
 def test_the_decision_switches_once_at_the_interpolated_crossing(length):
-    """Forward+backward rates interpolated in log length: flex below 8K * 4**0.25, the kernel above."""
+    """Forward+backward rates interpolated in log length: flex below 8K * 2**0.4, the kernel above."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(esa_executor, "device_table", lambda device: H100)
+        patch.setattr(esa_kernel_table, "device_table", lambda device: H100)
         patch.setattr(esa_executor, "kernels_preferred_on", lambda device: True)
         accepted = EsaExecutor().accepts(ESA(4, 8, 64, HEADS), meta_call(length, grad=True))
     if abs(math.log2(length) - math.log2(CROSSING)) > 1e-6:
@@ -259,7 +259,7 @@ def test_bench_writes_a_table_the_executor_reads(tmp_path, monkeypatch):
     assert set(loaded["H100"].rows) == {("forward_backward", 2048, 64), ("forward_backward", 32768, 64)}
     assert loaded["H100"].rates("forward_backward", 2048, 64).kernel == pytest.approx(1e-3 / (HEADS * 2048 * 64),
                                                                                      rel=1e-3)
-    monkeypatch.setattr(esa_executor, "device_table", lambda device: loaded["H100"])
+    monkeypatch.setattr(esa_kernel_table, "device_table", lambda device: loaded["H100"])
     monkeypatch.setattr(esa_executor, "kernels_preferred_on", lambda device: True)
     assert plan(2048, grad=True) == [("flex", ESA_HEADS), ("sdpa", FULL_HEADS)]
     assert plan(32768, grad=True) == [("esa", ESA_HEADS), ("sdpa", FULL_HEADS)]
