@@ -16,9 +16,9 @@ parameters (and the constraint's multipliers); the base model is frozen. For eac
 - peak memory per GPU of each (``torch.cuda.max_memory_allocated``, reset before; weights included, and in the
   1-GPU peak also the idle Ulysses model's, ~1 GiB at 2 layers);
 - the all-to-all time of one step: ``dist.all_to_all_single`` alone on buffers of the bytes each layer's
-  exchange reported (``last_exchange``: q/k/v in and output back, forward and backward), summed over the
-  layers, without the layers' pack/unpack copies (the routers' all-reduces, of ``[1, 2*pool, heads, d]``
-  states and ``[1, G]`` gradients, are left out: kilobytes);
+  exchange reported (``flexsparse.distributed.last_exchanges``: q/k/v in and output back, forward and
+  backward), summed over the layers, without the layers' pack/unpack copies (the routers' all-reduces, of
+  ``[1, 2*pool, heads, d]`` states and ``[1, G]`` gradients, are left out: kilobytes);
 - at the smallest S, a correctness check of one step from the same router weights, Gumbel seed and
   multipliers: the P-GPU loss and router gradients (unclipped) against the 1-GPU step's, max |error| /
   max |reference| within bf16 tolerances (3e-2 loss, 6e-2 gradients), and the same routing decisions.
@@ -60,8 +60,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel
 
 import flexsparse
 from flexsparse import Causal, SinkWindow
-from flexsparse.distributed import UlyssesCausalLM
-from flexsparse.distributed.ulysses_lm import UlyssesLayer
+from flexsparse.distributed import UlyssesCausalLM, last_exchanges
 from flexsparse.integrations import RouterTrainer, last_routings, router_parameters
 from flexsparse.routers import SparsityConstraint
 
@@ -157,12 +156,12 @@ def make_batch(cfg: RouterBenchConfig, seq: int, device: torch.device) -> dict:
 def make_trainer(cfg: RouterBenchConfig, model: torch.nn.Module, device: torch.device, *,
                  check: bool) -> RouterTrainer:
     """A fresh trainer (Gumbel generator from ``cfg.gumbel_seed``, multipliers from ``cfg.seed``). ``check``:
-    one logged step without gradient clip (max norm 1e30), for comparing gradients; else a long schedule that
-    logs nothing (no host sync)."""
+    one logged step without gradient clip (``max_grad_norm=None``), for comparing gradients; else a long
+    schedule that logs nothing (no host sync)."""
     constraint = SparsityConstraint({TASK: cfg.target_sparsity}, seed=cfg.seed)
     generator = torch.Generator(device).manual_seed(cfg.gumbel_seed)
     if check:
-        return RouterTrainer(model, constraint, total_steps=1, max_grad_norm=1e30, progress=False,
+        return RouterTrainer(model, constraint, total_steps=1, max_grad_norm=None, progress=False,
                              generator=generator)
     return RouterTrainer(model, constraint, total_steps=TIMING_STEPS, log_every=TIMING_STEPS, progress=False,
                          generator=generator)
@@ -248,14 +247,6 @@ def is_out_of_memory(error: BaseException) -> bool:
         isinstance(error, RuntimeError) and ("out of memory" in str(error) or "ALLOC_FAILED" in str(error)))
 
 
-def layer_exchanges(model: torch.nn.Module) -> list:
-    """Each Ulysses layer's ``last_exchange`` (a :class:`~flexsparse.distributed.ExchangeBytes`), in layer
-    order."""
-    found = [value for module in model.modules() for value in vars(module).values()
-             if isinstance(value, UlyssesLayer)]
-    return [state.ulysses.last_exchange for state in sorted(found, key=lambda state: state.layer.layer_idx)]
-
-
 def exchange_ms(sent_bytes: int, cfg: RouterBenchConfig, device: torch.device) -> float:
     """Median milliseconds of one ``all_to_all_single`` whose send buffer this rank sends ``sent_bytes`` of to
     the others (the rest stays local), as a layer's exchange does."""
@@ -317,7 +308,7 @@ def measure(cfg: RouterBenchConfig, router: str, model: UlyssesCausalLM, initial
         reset_peak(device)
         ms = median_ms(lambda: trainer.step(batch), cfg.warmup, cfg.steps, device)
         peak = peak_gib(device)
-        exchanges = layer_exchanges(model)
+        exchanges = last_exchanges(model)
         del trainer
         if check:
             sharded_result = checked_step(cfg, model, initial, batch, device)

@@ -105,6 +105,37 @@ def test_trainer_moves_loss_and_lambdas_and_only_the_routers(tmp_path):
     assert torch.equal(outs[0], outs[1])
 
 
+def test_max_grad_norm_none_does_not_clip_and_logs_the_norm():
+    """max_grad_norm=None: the step's gradients are the unclipped ones (the same update as a clip that never
+    triggers), and the logged grad_norm is their norm, as with clipping (before the clip)."""
+    batch = batches(1)[0]
+    steps = {}
+    for clip in (None, 1e30, 1e-5):
+        model = routed_toy()
+        trainer = RouterTrainer(model, constraint(), 4, max_grad_norm=clip, progress=False,
+                                generator=torch.Generator().manual_seed(0))
+        record = trainer.step(batch)
+        grads = torch.cat([p.grad.flatten() for p in trainer.router_params])
+        steps[clip] = record["grad_norm"], grads, [p.detach().clone() for p in trainer.router_params]
+    norm, grads, params = steps[None]
+    assert norm > 1e-4  # the tiny clip below changes the step
+    assert norm == pytest.approx(grads.norm().item(), rel=1e-5)  # left unclipped
+    for clip in (1e30, 1e-5):
+        assert steps[clip][0] == pytest.approx(norm, rel=1e-5), clip  # the norm before clipping
+    torch.testing.assert_close(steps[1e30][1], grads, atol=0, rtol=0)
+    for mine, theirs in zip(params, steps[1e30][2]):
+        torch.testing.assert_close(mine, theirs, atol=0, rtol=0)
+    assert steps[1e-5][1].norm().item() == pytest.approx(1e-5, rel=1e-3)  # clipping still clips
+
+
+@pytest.mark.parametrize(("value", "message"), [(float("inf"), r"finite \(None: no clipping\), got inf"),
+                                                (float("nan"), "finite, got nan"), (0, "> 0, got 0"),
+                                                (-1.0, "> 0, got -1")])
+def test_max_grad_norm_errors(value, message):
+    with pytest.raises(ValueError, match=f"max_grad_norm must be {message}"):
+        RouterTrainer(routed_toy(), constraint(), 4, max_grad_norm=value)
+
+
 def test_decisions_respond_to_the_input():
     """A trained-for-a-few-steps head router in eval: the two tasks' sequences are not all routed alike."""
     model = routed_toy()

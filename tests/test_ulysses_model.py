@@ -1,6 +1,7 @@
 """A converted tiny Llama under sequence parallelism (flexsparse.distributed.ulysses_model) against the same model
 in one process: logits, loss and gradients with mixed static modes, and a routed model trained one step by
-RouterTrainer (router gradients, decisions, loss), on 2 and 4 gloo processes on CPU; argument errors in-process."""
+RouterTrainer (router gradients, decisions, loss), on 2 and 4 gloo processes on CPU, with the bytes each layer
+exchanged (last_exchanges); argument errors in-process."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import flexsparse
-from flexsparse.distributed import UlyssesCausalLM, shard_batch, ulysses_model
+from flexsparse.distributed import ExchangeBytes, UlyssesCausalLM, last_exchanges, shard_batch, ulysses_model
 from flexsparse.integrations import RouterTrainer, last_routings
 from flexsparse.masks import Causal, SinkWindow, TriangleMix
 from flexsparse.routers import SparsityConstraint
@@ -49,6 +50,16 @@ def whole_batch() -> dict:
             "prompt_mask": prompt, "task": ["qa", "code"]}
 
 
+def expected_exchange(grad_out: bool, grad_qkv: bool, padding_mask: bool) -> ExchangeBytes:
+    """ExchangeBytes' formulas for SHAPE at B x S, float32, this group's P ranks."""
+    world = dist.get_world_size()
+    heads, kv_heads, dim = SHAPE["num_attention_heads"], SHAPE["num_key_value_heads"], SHAPE["head_dim"]
+    qkv = B * S * (heads + 2 * kv_heads) * dim * 4 * (world - 1) // world**2
+    out = B * S * heads * dim * 4 * (world - 1) // world**2
+    return ExchangeBytes(qkv=qkv, out=out, grad_out=out if grad_out else 0, grad_qkv=qkv if grad_qkv else 0,
+                         padding_mask=B * S // world * (world - 1) if padding_mask else 0)
+
+
 def gathered(x: torch.Tensor, dim: int = 1) -> torch.Tensor:
     every = [torch.empty_like(x) for _ in range(dist.get_world_size())]
     dist.all_gather(every, x.contiguous())
@@ -74,6 +85,9 @@ def check_static() -> None:
     torch.testing.assert_close(gathered(out.logits), expected.logits, atol=ATOL, rtol=0)
     torch.testing.assert_close(summed(out.loss.detach()), expected.loss.detach(), atol=ATOL, rtol=0)
     out.loss.backward()  # the rank's share of the loss
+    # every parameter trains: both layers exchange q/k/v gradients; the first layer gathered the padding mask
+    assert last_exchanges(model) == [expected_exchange(True, True, padding_mask=True),
+                                     expected_exchange(True, True, padding_mask=False)]
     checked = 0
     for (name, mine), (_, theirs) in zip(model.named_parameters(), reference.named_parameters()):
         if name.endswith(("q_proj.weight", "k_proj.weight", "embed_tokens.weight")):
@@ -96,6 +110,11 @@ def check_routed() -> None:
     expected_routings = last_routings(reference)
     model = UlyssesCausalLM(routed_model())
     record = trainer(model).step(batch)  # the same Gumbel draws on every rank (its generator, same seed)
+    # a frozen model: the first layer's q/k/v need no gradient (grad_qkv = 0), its output does (routing weights);
+    # the second layer's q/k/v depend on the first layer's routing
+    assert last_exchanges(model) == [expected_exchange(True, False, padding_mask=True),
+                                     expected_exchange(True, True, padding_mask=False)]
+    assert last_exchanges(model) == last_exchanges(model.model)
     routings = last_routings(model)
     decisions = torch.cat([r.is_sparse.flatten() for r in expected_routings])
     assert decisions.any() and not decisions.all()  # both modes trained: full and sparse outputs mixed
@@ -120,6 +139,8 @@ def check_routed() -> None:
         expected = reference(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         out = model(batch["input_ids"], batch["attention_mask"]).logits
     torch.testing.assert_close(gathered(out), expected, atol=ATOL, rtol=0)
+    assert last_exchanges(model) == [expected_exchange(False, False, padding_mask=True),
+                                     expected_exchange(False, False, padding_mask=False)]
     for mine, theirs in zip(last_routings(model), last_routings(reference)):
         assert torch.equal(mine.is_sparse, theirs.is_sparse)
 
@@ -150,6 +171,8 @@ def test_heads_not_divisible_by_group_size():
         ulysses_model(static_model(), FakeGroup(3))
     with pytest.raises(ValueError, match="not converted"):
         ulysses_model(tiny_model("llama"), FakeGroup(2))
+    with pytest.raises(ValueError, match="not prepared by flexsparse.distributed.ulysses_model"):
+        last_exchanges(static_model())
 
 
 @pytest.fixture
@@ -167,6 +190,7 @@ def test_one_rank_is_the_model_and_refuses_decode(one_rank_group):
         model = ulysses_model(static_model())
         out = model(**shard_batch(batch["input_ids"], batch["attention_mask"]), use_cache=False).logits
         torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
+        assert last_exchanges(model) == [ExchangeBytes()] * SHAPE["num_hidden_layers"]  # nothing to exchange
         with pytest.raises(ValueError, match="whole sequences"):
             model.generate(batch["input_ids"], attention_mask=batch["attention_mask"], max_new_tokens=2)
     with pytest.raises(ValueError, match="labels must be a tensor"):

@@ -6,7 +6,7 @@ names of both modules are imported on first use: they need transformers."""
 from flexsparse.distributed.ulysses import ExchangeBytes, UlyssesAttention, shard_sequence
 
 _TENSOR_PARALLEL = ("RankAttention", "TensorParallelLayer", "rank_kv_heads", "rank_tiles", "tensor_parallel_rank")
-_ULYSSES_MODEL = ("ULYSSES_ATTENTION_NAME", "UlyssesCausalLM", "shard_batch", "ulysses_model")
+_ULYSSES_MODEL = ("ULYSSES_ATTENTION_NAME", "UlyssesCausalLM", "last_exchanges", "shard_batch", "ulysses_model")
 
 
 def __getattr__(name: str):
@@ -28,6 +28,7 @@ __all__ = [
     "TensorParallelLayer",
     "UlyssesAttention",
     "UlyssesCausalLM",
+    "last_exchanges",
     "rank_kv_heads",
     "rank_tiles",
     "shard_batch",

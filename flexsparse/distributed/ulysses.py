@@ -33,10 +33,14 @@ class ExchangeBytes:
     """Bytes this rank sent to the other ranks in one call, per exchange (its own chunk stays local).
 
     With batch B, whole sequence S, H query and H_kv KV heads, head_dim d, element size e bytes and P ranks, per
-    layer and rank: ``qkv = B*S*(H + 2*H_kv)*d*e*(P-1)/P**2`` and ``out = B*S*H*d*e*(P-1)/P**2``; the backward
-    sends the same amounts (``grad_out = out``, ``grad_qkv = qkv``). Summed over the ranks a forward moves
-    ``2*B*S*(H + H_kv)*d*e*(P-1)/P``. ``padding_mask``: bytes of this rank's mask shard that the others receive
-    when the mask is given as a shard (``B*S/P*(P-1)``, one byte a token), else 0.
+    layer and rank: ``qkv = B*S*(H + 2*H_kv)*d*e*(P-1)/P**2`` and ``out = B*S*H*d*e*(P-1)/P**2``. Summed over the
+    ranks a forward moves ``2*B*S*(H + H_kv)*d*e*(P-1)/P``. A backward exchange runs only where autograd needs
+    it: ``grad_out = out`` when the output needs a gradient, ``grad_qkv = qkv`` when any of q, k, v does (all
+    three gradients are exchanged then), else 0 -- e.g. ``grad_qkv = 0`` in the first layer of a frozen model
+    whose routers train (its q/k/v come from frozen weights; only its output, through the routing weights, needs
+    a gradient), and both 0 without a backward. The backward fills the counts of the call it belongs to (a later
+    call's :attr:`UlyssesAttention.last_exchange` is a new object). ``padding_mask``: bytes of this rank's mask
+    shard that the others receive when the mask is given as a shard (``B*S/P*(P-1)``, one byte a token), else 0.
     """
 
     qkv: int = 0

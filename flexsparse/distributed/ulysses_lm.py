@@ -20,6 +20,7 @@ Terms computed from :func:`~flexsparse.integrations.last_routings` (the sparsity
 rank and take their gradient locally: add them on every rank, as one process does.
 
 Only whole-sequence forwards (prefill, training: ``use_cache=False``); decode and ``generate()`` are refused.
+:func:`last_exchanges` reads the bytes each layer's exchanges sent.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from transformers.masking_utils import AttentionMaskInterface, causal_mask_funct
 from transformers.modeling_utils import AttentionInterface
 
 from flexsparse.attention import HybridAttention
-from flexsparse.distributed.ulysses import UlyssesAttention, shard_sequence
+from flexsparse.distributed.ulysses import ExchangeBytes, UlyssesAttention, shard_sequence
 from flexsparse.heads import per_query_head
 from flexsparse.integrations.forward_mask import ForwardMask
 from flexsparse.integrations.layer import SparseAttentionLayer
@@ -70,11 +71,18 @@ class UlyssesLayer:
 class ShardMask:
     """The mask of one sequence-parallel forward: this rank's padding shard ``[B, S/P]`` (None: no padding mask on
     any rank). :meth:`whole` gathers the whole sequence's :class:`~flexsparse.integrations.ForwardMask` at the
-    first layer; the other layers of the forward share it (its positions and router boundaries)."""
+    first layer; the other layers of the forward share it (its positions and router boundaries). ``sent``: the
+    bytes of this rank's shard the other ranks received (``B*S/P*(P-1)``; 0 without padding or gather)."""
 
     def __init__(self, padding: Tensor | None, batch: int, length: int, device: torch.device) -> None:
         self.padding, self.batch, self.length, self.device = padding, batch, length, torch.device(device)
+        self.sent = 0
         self._whole: ForwardMask | None = None
+
+    @property
+    def built(self) -> bool:
+        """Whether :meth:`whole` ran (in an earlier layer of this forward)."""
+        return self._whole is not None
 
     def whole(self, group: dist.ProcessGroup | None, world: int) -> ForwardMask:
         if self._whole is None:
@@ -84,6 +92,7 @@ class ShardMask:
                 every = [torch.empty_like(mine) for _ in range(world)]
                 dist.all_gather(every, mine, group=group)
                 padding = torch.cat(every, dim=1).bool()
+                self.sent = mine.numel() * (world - 1)
             seq = self.length * world
             self._whole = ForwardMask(padding, self.batch, seq, seq, self.device)
         return self._whole
@@ -122,6 +131,7 @@ def ulysses_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tens
     if layer.take_staged(key, value) is not None or query.shape[2] != key.shape[2]:
         raise ValueError(f"{layer.where}: a sequence-parallel forward runs whole sequences (prefill, training); "
                          "generate(), caches and decode steps are not supported (pass use_cache=False)")
+    first = not attention_mask.built
     mask = attention_mask.whole(state.group, state.world_size)
     positions = mask.positions()
     scale = None if scaling is None else float(scaling)
@@ -129,6 +139,8 @@ def ulysses_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tens
         out = state.ulysses(query, key, value, positions=positions, scale=scale)
     else:
         out = _routed(state, query, key, value, mask, positions, scale)
+    if first:  # the layer that gathered the mask counts it (the call above started a new ExchangeBytes)
+        state.ulysses.last_exchange.padding_mask = attention_mask.sent
     return out.transpose(1, 2), None
 
 
@@ -263,6 +275,23 @@ def ulysses_model(model: nn.Module, group: dist.ProcessGroup | None = None) -> n
     if model.config._attn_implementation != ULYSSES_ATTENTION_NAME:
         raise ValueError(f"{type(model).__name__} refused set_attn_implementation({ULYSSES_ATTENTION_NAME!r})")
     return model
+
+
+def last_exchanges(model: nn.Module) -> list[ExchangeBytes]:
+    """The bytes this rank sent in each converted layer's last exchanges (:class:`ExchangeBytes`, one per layer,
+    in layer order) of a model prepared by :func:`ulysses_model` (the model or a module holding it, e.g. a
+    :class:`UlyssesCausalLM`): q/k/v and the output of the last forward, their gradients once its backward has
+    run. ``padding_mask``: the first layer's entry counts the padding mask's one all-gather per forward. Not
+    counted: the routers' all-reduces (``[B, 2*pool_size, heads, d]`` states forward, ``[B, G]`` gradients
+    backward)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    states = [state for module in model.modules()
+              if isinstance(state := getattr(module, _STATE, None), UlyssesLayer)
+              and state.layer is getattr(module, "flexsparse", None)]  # not left by an earlier conversion
+    if not states:
+        raise ValueError("last_exchanges: the model was not prepared by flexsparse.distributed.ulysses_model")
+    return [state.ulysses.last_exchange for state in sorted(states, key=lambda state: state.layer.layer_idx)]
 
 
 def shard_batch(input_ids: Tensor, attention_mask: Tensor | None = None, labels: Tensor | None = None,

@@ -7,7 +7,7 @@ pooling the prompt tokens only (``prompt_mask``); the loss is the LM loss on ``l
 :class:`~flexsparse.routers.SparsityConstraint` regulariser on each sequence's MSR. AdamW with two groups: the
 router parameters (lr 5e-4, weight decay 0.1) minimise it, the multipliers (lr 1e-3, no decay, ``maximize=True``)
 maximise it; both follow linear warmup over the first 20% of steps then a cosine to 0; the router gradients are
-clipped to ``max_grad_norm``.
+clipped to ``max_grad_norm`` (None: not clipped).
 
 Batches are dicts: ``input_ids`` and ``labels`` (-100 = no loss) long ``[B, S]``, optional ``attention_mask``
 ``[B, S]`` (1 = real token) and ``prompt_mask`` bool ``[B, S]`` (the tokens the routers pool, default the
@@ -98,7 +98,8 @@ class RouterTrainer:
         total_steps: length of the run (learning-rate and default temperature schedules).
         router_lr, lambda_lr, weight_decay: AdamW settings of the two groups (weight decay on the routers only).
         warmup: fraction of steps of linear warmup before the cosine.
-        max_grad_norm: clip of the router gradients' global norm.
+        max_grad_norm: clip of the router gradients' global norm (a finite number > 0), or None: no clipping.
+            Either way the logged ``grad_norm`` is the norm before any clipping.
         schedule: temperature per step (default ``CosineAnneal(total_steps)``: 1.5 -> 1.0 over 60%).
         log_every, callback, log_file: logging (see the module docstring).
         checkpoint_dir, checkpoint_every: checkpoints (``checkpoint_every=None``: only at the end of ``train``).
@@ -108,7 +109,7 @@ class RouterTrainer:
 
     def __init__(self, model: nn.Module, constraint: SparsityConstraint, total_steps: int, *,
                  router_lr: float = 5e-4, lambda_lr: float = 1e-3, weight_decay: float = 0.1, warmup: float = 0.2,
-                 max_grad_norm: float = 1.0, schedule: TemperatureSchedule | None = None, log_every: int = 1,
+                 max_grad_norm: float | None = 1.0, schedule: TemperatureSchedule | None = None, log_every: int = 1,
                  callback: Callable[[dict], None] | None = None, log_file: str | Path | None = None,
                  checkpoint_dir: str | Path | None = None, checkpoint_every: int | None = None,
                  progress: bool = True, generator: torch.Generator | None = None) -> None:
@@ -119,7 +120,10 @@ class RouterTrainer:
             raise ValueError("model must be converted with routers: flexsparse.convert(model, ..., router='head')")
         self.model, self.constraint = model, constraint
         self.total_steps = as_int("total_steps", total_steps, minimum=1)
-        self.max_grad_norm = as_float("max_grad_norm", max_grad_norm, positive=True)
+        if isinstance(max_grad_norm, float) and math.isinf(max_grad_norm):
+            raise ValueError(f"max_grad_norm must be finite (None: no clipping), got {max_grad_norm}")
+        self.max_grad_norm = None if max_grad_norm is None else as_float("max_grad_norm", max_grad_norm,
+                                                                          positive=True)
         self.schedule = CosineAnneal(self.total_steps) if schedule is None else schedule
         if not callable(self.schedule):
             raise TypeError(f"schedule must map a step to a temperature, got {type(schedule).__name__}")
@@ -196,7 +200,10 @@ class RouterTrainer:
             loss = out.loss + regulariser
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.router_params, self.max_grad_norm)
+        if self.max_grad_norm is None:
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.router_params if p.grad is not None])
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.router_params, self.max_grad_norm)
         self.optimizer.step()
         self.scheduler.step()
         self.step_count += 1
