@@ -117,11 +117,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seqs", type=int, nargs="+", default=[32768, 131072], help="prompt lengths")
     parser.add_argument("--tokens", type=int, default=32, help="new tokens per timed generate()")
+    parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS), help="which paths to time")
     parser.add_argument("--out", help="folder for generate_paths.json")
     parser.add_argument("--smoke", action="store_true", help="toy sizes on the CPU, no torch.compile")
     args = parser.parse_args(argv)
     cfg = SMOKE if args.smoke else HfBenchConfig()
-    seqs = cfg.e2e_seqs if args.smoke else args.seqs
+    seqs = cfg.e2e_seqs if args.smoke else args.seqs  # in the order given
     device = torch.device(cfg.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("generate_paths.py needs a CUDA GPU (or --smoke)", file=sys.stderr)
@@ -135,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     for seq in seqs:
         gen = torch.Generator(device=device).manual_seed(seq)
         ids = torch.randint(1, cfg.e2e_vocab, (1, seq), device=device, generator=gen)
-        for name in PATHS:
+        for name in args.paths:
             if cudnn:
                 torch.backends.cuda.enable_cudnn_sdp(False)
             try:
