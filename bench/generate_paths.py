@@ -3,7 +3,7 @@ floor each path could reach.
 
 The model of ``flexsparse bench --hf``'s generate part: 8 Llama layers, hidden 4096, 32 q / 8 KV heads, d=128,
 MLP 14336, vocabulary 32000, random bf16 weights, batch 1. For each prompt length (``--seqs``), the median decode
-step of a greedy ``generate()`` of ``--tokens`` new tokens (a logits processor marks each step after a sync) for:
+step of a greedy ``generate()`` of ``--tokens`` new tokens (``bench_hf.generate_timed``) for:
 
 - ``sdpa + DynamicCache``: transformers' default; SDPA with cuDNN off (cuDNN builds a graph per new key length);
 - ``sdpa + StaticCache + compile``: ``cache_implementation="static"``, which makes ``generate()`` run the decode
@@ -29,36 +29,13 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList
 
 import flexsparse
-from flexsparse.tools.bench_hf import SMOKE, HfBenchConfig, llama_from_config
+from flexsparse.tools.bench_hf import SMOKE, HfBenchConfig, generate_timed, llama_from_config
 
 PATHS = ("sdpa + DynamicCache", "sdpa + StaticCache + compile", "flexsparse")
-
-
-class StepClock(LogitsProcessor):
-    """Records when each token's logits are ready (after a sync): the gaps are decode steps."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device, self.times = device, []
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.times.append(time.perf_counter())
-        return scores
-
-
-def decode_step_s(model, ids: torch.Tensor, tokens: int, **kwargs) -> float:
-    """Median seconds between consecutive tokens of one greedy generate()."""
-    clock = StepClock(ids.device)
-    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, min_new_tokens=tokens,
-                   do_sample=False, logits_processor=LogitsProcessorList([clock]), **kwargs)
-    return statistics.median(b - a for a, b in zip(clock.times, clock.times[1:]))
 
 
 def hbm_bytes_per_s(device: torch.device) -> float | None:
@@ -106,8 +83,8 @@ def run_path(name: str, cfg: HfBenchConfig, model, ids: torch.Tensor, tokens: in
         flexsparse.convert(model, cfg.patterns(), [cfg.modes()] * cfg.e2e_layers, block_size=cfg.block_size,
                            backend=cfg.backend)
     try:
-        decode_step_s(model, ids, 4, **kwargs)
-        return decode_step_s(model, ids, tokens, **kwargs)
+        generate_timed(model, ids, 4, ids.device, **kwargs)  # warm-up: compiles
+        return generate_timed(model, ids, tokens, ids.device, **kwargs)[1]
     finally:
         if name == "flexsparse":
             flexsparse.revert(model)

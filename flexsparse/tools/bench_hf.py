@@ -314,9 +314,11 @@ class _TokenClock(LogitsProcessor):
         return scores
 
 
-def generate_timed(model, ids: torch.Tensor, new_tokens: int, dev: torch.device) -> tuple[float, float, int]:
-    """One ``generate`` of ``new_tokens`` tokens: prefill seconds (to the first logits), seconds per decode step
-    (median of the steps), and peak memory above what was allocated before."""
+def generate_timed(model, ids: torch.Tensor, new_tokens: int, dev: torch.device,
+                   **generate_kwargs) -> tuple[float, float, int]:
+    """One ``generate`` of ``new_tokens`` tokens (``generate_kwargs`` passed on, e.g. ``cache_implementation``):
+    prefill seconds (to the first logits), seconds per decode step (median of the steps), and peak memory above
+    what was allocated before."""
     clock = _TokenClock(dev)
     if dev.type == "cuda":
         torch.cuda.synchronize()
@@ -324,7 +326,7 @@ def generate_timed(model, ids: torch.Tensor, new_tokens: int, dev: torch.device)
         before = torch.cuda.memory_allocated()
     start = time.perf_counter()
     model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                   do_sample=False, logits_processor=LogitsProcessorList([clock]))
+                   do_sample=False, logits_processor=LogitsProcessorList([clock]), **generate_kwargs)
     _sync(dev)
     peak = torch.cuda.max_memory_allocated() - before if dev.type == "cuda" else 0
     steps = [b - a for a, b in zip(clock.times, clock.times[1:])]
