@@ -20,12 +20,9 @@ Rules (:func:`dense_kernel`):
 
 from __future__ import annotations
 
-import functools
-import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 from typing import NamedTuple
 
@@ -33,6 +30,14 @@ import torch
 from torch.nn.attention import SDPBackend
 
 from flexsparse.runtime.buckets import is_kv_bucket
+from flexsparse.runtime.device_tables import (
+    cuda_device_name,
+    device_index,
+    entry_for_name,
+    entry_rows_and_dtype,
+    read_device_entries,
+    shipped_table_path,
+)
 
 PASSES = ("forward", "forward_backward")
 """The passes the table ranks backends for: inference, and a training step's forward and backward."""
@@ -85,7 +90,7 @@ TABLE_FILE = "data/dense_kernels.json"
 
 def default_table_path() -> Path:
     """The shipped table file (in the installed package)."""
-    return Path(str(resources.files("flexsparse.runtime").joinpath(TABLE_FILE)))
+    return shipped_table_path(TABLE_FILE)
 
 
 def load_dense_kernel_table(path: str | Path | None = None) -> dict[str, DeviceKernels]:
@@ -96,26 +101,16 @@ def load_dense_kernel_table(path: str | Path | None = None) -> dict[str, DeviceK
     and the field that is wrong.
     """
     path = Path(path) if path is not None else default_table_path()
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise ValueError(f"dense kernel table {path}: cannot be read as JSON ({err})") from err
-    devices = data.get("devices") if isinstance(data, dict) else None
-    if not isinstance(devices, dict):
-        raise ValueError(f"dense kernel table {path}: expected an object with a 'devices' object")
+    devices = read_device_entries(path, "dense kernel table")
     return {key: device_kernels_from_json(entry, f"{path}: devices[{key!r}]") for key, entry in devices.items()}
 
 
 def device_kernels_from_json(entry: object, where: str = "device entry") -> DeviceKernels:
     """One device's table from its JSON object (``{"dtype": ..., "entries": [...]}``, see
     :func:`load_dense_kernel_table`); ``where`` names it in errors."""
-    if not isinstance(entry, dict) or not isinstance(entry.get("entries"), list):
-        raise ValueError(f"dense kernel table {where}: expected an object with an 'entries' list")
-    dtype = getattr(torch, str(entry.get("dtype")), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"dense kernel table {where}: 'dtype' must name a torch dtype, got {entry.get('dtype')!r}")
+    rows, dtype = entry_rows_and_dtype(entry, "dense kernel table", where)
     rankings = {}
-    for i, row in enumerate(entry["entries"]):
+    for i, row in enumerate(rows):
         at = f"{where}.entries[{i}]"
         if not isinstance(row, dict):
             raise ValueError(f"dense kernel table {at}: expected an object")
@@ -147,20 +142,12 @@ DENSE_KERNEL_TABLE: dict[str, DeviceKernels] = load_dense_kernel_table()
 ``flexsparse.runtime.dense_kernels.DENSE_KERNEL_TABLE = load_dense_kernel_table(path)``; read on every call."""
 
 
-@functools.cache
-def cuda_device_name(index: int) -> str:
-    """``torch.cuda.get_device_name(index)``, once per device."""
-    return torch.cuda.get_device_name(index)
-
-
 def device_kernels(device: torch.device) -> DeviceKernels | None:
     """The table of a CUDA device: the longest key of :data:`DENSE_KERNEL_TABLE` in its name; None for other
     devices and names no key matches."""
     if device.type != "cuda":
         return None
-    name = cuda_device_name(device.index if device.index is not None else torch.cuda.current_device())
-    keys = [key for key in DENSE_KERNEL_TABLE if key in name]
-    return DENSE_KERNEL_TABLE[max(keys, key=len)] if keys else None
+    return entry_for_name(DENSE_KERNEL_TABLE, cuda_device_name(device_index(device)))
 
 
 def dense_kernel(device: torch.device, q_len: int, kv_len: int, grad: bool, *, dtype: torch.dtype = torch.bfloat16,

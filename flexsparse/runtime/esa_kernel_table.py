@@ -11,17 +11,23 @@ row outside them) and scaled by the head dim; None everywhere else.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 
 import torch
 
 from flexsparse.runtime.call import AttentionCall
-from flexsparse.runtime.dense_kernels import PASSES, cuda_device_name
+from flexsparse.runtime.dense_kernels import PASSES
+from flexsparse.runtime.device_tables import (
+    cuda_device_name,
+    device_index,
+    entry_for_name,
+    entry_rows_and_dtype,
+    read_device_entries,
+    shipped_table_path,
+)
 
 TABLE_FILE = "data/esa_kernel.json"
 """The shipped table of measured rates, relative to the ``flexsparse.runtime`` package."""
@@ -77,7 +83,7 @@ def _interpolated(points: Mapping[int, EsaRates], x: int) -> EsaRates:
 
 def default_table_path() -> Path:
     """The shipped table file (in the installed package)."""
-    return Path(str(resources.files("flexsparse.runtime").joinpath(TABLE_FILE)))
+    return shipped_table_path(TABLE_FILE)
 
 
 def load_esa_kernel_table(path: str | Path | None = None) -> dict[str, EsaDeviceTable]:
@@ -89,13 +95,7 @@ def load_esa_kernel_table(path: str | Path | None = None) -> dict[str, EsaDevice
     and the field that is wrong.
     """
     path = Path(path) if path is not None else default_table_path()
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise ValueError(f"ESA kernel table {path}: cannot be read as JSON ({err})") from err
-    devices = data.get("devices") if isinstance(data, dict) else None
-    if not isinstance(devices, dict):
-        raise ValueError(f"ESA kernel table {path}: expected an object with a 'devices' object")
+    devices = read_device_entries(path, "ESA kernel table")
     return {key: device_table_from_json(entry, f"{path}: devices[{key!r}]") for key, entry in devices.items()}
 
 
@@ -111,16 +111,12 @@ def _positive_seconds(value: object) -> bool:
 def device_table_from_json(entry: object, where: str = "device entry") -> EsaDeviceTable:
     """One device's table from its JSON object (``{"dtype": ..., "head_dim": ..., "entries": [...]}``, see
     :func:`load_esa_kernel_table`); ``where`` names it in errors."""
-    if not isinstance(entry, dict) or not isinstance(entry.get("entries"), list):
-        raise ValueError(f"ESA kernel table {where}: expected an object with an 'entries' list")
-    dtype = getattr(torch, str(entry.get("dtype")), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"ESA kernel table {where}: 'dtype' must name a torch dtype, got {entry.get('dtype')!r}")
+    rows_json, dtype = entry_rows_and_dtype(entry, "ESA kernel table", where)
     head_dim = entry.get("head_dim")
     if not _positive_int(head_dim):
         raise ValueError(f"ESA kernel table {where}: 'head_dim' must be a positive integer, got {head_dim!r}")
     rows: dict[tuple[str, int, int], EsaRates] = {}
-    for i, row in enumerate(entry["entries"]):
+    for i, row in enumerate(rows_json):
         at = f"{where}.entries[{i}]"
         if not isinstance(row, dict):
             raise ValueError(f"ESA kernel table {at}: expected an object")
@@ -151,9 +147,7 @@ def device_table(device: torch.device) -> EsaDeviceTable | None:
     and names no key matches."""
     if device.type != "cuda" or not ESA_KERNEL_TABLE:
         return None
-    name = cuda_device_name(device.index if device.index is not None else torch.cuda.current_device())
-    keys = [key for key in ESA_KERNEL_TABLE if key in name]
-    return ESA_KERNEL_TABLE[max(keys, key=len)] if keys else None
+    return entry_for_name(ESA_KERNEL_TABLE, cuda_device_name(device_index(device)))
 
 
 def measured_rates(call: AttentionCall, attn_length: int) -> EsaRates | None:
