@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import statistics
 import sys
 import time
@@ -49,6 +48,7 @@ from flexsparse.runtime.dense_kernels import (
     default_table_path,
     load_dense_kernel_table,
 )
+from flexsparse.runtime.device_tables import write_device_entry
 
 FULL = {"heads": 32, "kv_heads": 8, "dim": 128, "lengths": [8192, 16384, 32768, 65536, 131072], "dtype": "bfloat16"}
 TINY = {"heads": 4, "kv_heads": 2, "dim": 32, "lengths": [128, 256], "dtype": "float32"}
@@ -205,36 +205,11 @@ def table_entries(rows: list[dict]) -> list[dict]:
     return entries
 
 
-def format_table(data: dict) -> str:
-    """The table file's text: one line per row, so diffs show what changed."""
-    lines = ["{", f' "about": {json.dumps(data.get("about", ""))},', ' "devices": {']
-    devices = list(data["devices"].items())
-    for i, (key, device) in enumerate(devices):
-        lines.append(f"  {json.dumps(key)}: {{")
-        lines.append(f'   "dtype": {json.dumps(device["dtype"])},')
-        lines.append(f'   "measured": {json.dumps(device.get("measured"))},')
-        lines.append('   "entries": [')
-        entries = device["entries"]
-        lines += [f"    {json.dumps(e)}" + ("," if j < len(entries) - 1 else "") for j, e in enumerate(entries)]
-        lines.append("   ]")
-        lines.append("  }" + ("," if i < len(devices) - 1 else ""))
-    lines += [" }", "}"]
-    return "\n".join(lines) + "\n"
-
-
 def write_table(path: Path, key: str, shape: dict, rows: list[dict], measured: dict) -> None:
     """Replaces ``key``'s rows of the table at ``path`` (created if absent), keeps the other devices', and checks
     that flexsparse loads the result."""
-    data = json.loads(path.read_text()) if path.exists() else {"about": "", "devices": {}}
-    data["devices"][key] = {"dtype": shape["dtype"], "measured": measured, "entries": table_entries(rows)}
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(format_table(data))
-    try:
-        load_dense_kernel_table(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    print(f"wrote {len(data['devices'][key]['entries'])} rows for {key!r} to {path}")
+    entry = {"dtype": shape["dtype"], "measured": measured, "entries": table_entries(rows)}
+    write_device_entry(path, key, entry, load_dense_kernel_table)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

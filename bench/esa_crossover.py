@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -40,6 +39,7 @@ from flexsparse import HybridAttention
 from flexsparse.kernels.availability import triton_version
 from flexsparse.masks import ESA
 from flexsparse.runtime.dense_kernels import PASSES
+from flexsparse.runtime.device_tables import write_device_entry
 from flexsparse.runtime.esa_executor import EsaExecutor
 from flexsparse.runtime.esa_kernel_table import load_esa_kernel_table
 from flexsparse.runtime.flex import FlexExecutor
@@ -206,36 +206,11 @@ def table_entries(rows: list[dict]) -> list[dict]:
     return entries
 
 
-def format_table(data: dict) -> str:
-    """The table file's text: one line per row, so diffs show what changed."""
-    lines = ["{", f' "about": {json.dumps(data.get("about", ""))},', ' "devices": {']
-    devices = list(data["devices"].items())
-    for i, (key, device) in enumerate(devices):
-        lines.append(f"  {json.dumps(key)}: {{")
-        for field in ("dtype", "head_dim", "measured"):
-            lines.append(f"   {json.dumps(field)}: {json.dumps(device.get(field))},")
-        lines.append('   "entries": [')
-        entries = device["entries"]
-        lines += [f"    {json.dumps(e)}" + ("," if j < len(entries) - 1 else "") for j, e in enumerate(entries)]
-        lines.append("   ]")
-        lines.append("  }" + ("," if i < len(devices) - 1 else ""))
-    lines += [" }", "}"]
-    return "\n".join(lines) + "\n"
-
-
 def write_table(path: Path, key: str, entries: list[dict], measured: dict) -> None:
     """Replaces ``key``'s rows of the table at ``path`` (created if absent), keeps the other devices', and checks
     that flexsparse loads the result."""
-    data = json.loads(path.read_text()) if path.exists() else {"about": "", "devices": {}}
-    data["devices"][key] = {"dtype": "bfloat16", "head_dim": DIM, "measured": measured, "entries": entries}
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(format_table(data))
-    try:
-        load_esa_kernel_table(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    print(f"wrote {len(entries)} rows for {key!r} to {path}")
+    entry = {"dtype": "bfloat16", "head_dim": DIM, "measured": measured, "entries": entries}
+    write_device_entry(path, key, entry, load_esa_kernel_table)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

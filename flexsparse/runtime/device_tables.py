@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Mapping
+import os
+from collections.abc import Callable, Mapping
 from importlib import resources
 from pathlib import Path
 from typing import TypeVar
@@ -60,3 +61,34 @@ def entry_for_name(table: Mapping[str, Entry], name: str) -> Entry | None:
     """The entry of the longest key of ``table`` contained in the device name ``name``; None if no key is."""
     keys = [key for key in table if key in name]
     return table[max(keys, key=len)] if keys else None
+
+
+def table_text(data: dict) -> str:
+    """A table file's text: one line per device field and per entry, so diffs show which rows changed."""
+    lines = ["{", f' "about": {json.dumps(data.get("about", ""))},', ' "devices": {']
+    devices = list(data["devices"].items())
+    for i, (key, device) in enumerate(devices):
+        lines.append(f"  {json.dumps(key)}: {{")
+        lines += [f"   {json.dumps(field)}: {json.dumps(value)}," for field, value in device.items()
+                  if field != "entries"]
+        entries = device["entries"]
+        lines.append('   "entries": [')
+        lines += [f"    {json.dumps(e)}" + ("," if j < len(entries) - 1 else "") for j, e in enumerate(entries)]
+        lines += ["   ]", "  }" + ("," if i < len(devices) - 1 else "")]
+    lines += [" }", "}"]
+    return "\n".join(lines) + "\n"
+
+
+def write_device_entry(path: Path, key: str, entry: dict, load: Callable[[Path], object]) -> None:
+    """Replaces ``key``'s entry of the table file ``path`` (created if absent), keeps the other devices', and
+    writes it only if ``load`` (the table's loader) accepts the result."""
+    data = json.loads(path.read_text()) if path.exists() else {"about": "", "devices": {}}
+    data["devices"][key] = entry
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(table_text(data))
+    try:
+        load(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    print(f"wrote {len(entry['entries'])} rows for {key!r} to {path}")
