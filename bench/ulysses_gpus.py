@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -42,6 +41,15 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from rank_timing import (
+    barrier,
+    every_rank,
+    exchange_ms,
+    median_ms,
+    peak_gib,
+    relative_error,
+    reset_peak,
+)
 
 from flexsparse import Causal, HybridAttention, SinkWindow
 from flexsparse.distributed import UlyssesAttention, shard_sequence
@@ -117,60 +125,10 @@ def step_fn(module: torch.nn.Module, q, k, v, grad_out):
     return step
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
-def median_ms(fn, warmup: int, steps: int, device: torch.device) -> float:
-    """Median milliseconds of ``steps`` calls, each timed alone (CUDA events on a GPU), after ``warmup``
-    calls. Every rank makes the same number of calls (they hold collectives)."""
-    for _ in range(warmup):
-        fn()
-    sync(device)
-    times = []
-    for _ in range(steps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            begin = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - begin) * 1e3)
-    return statistics.median(times)
 
 
-def reset_peak(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def peak_gib(device: torch.device) -> float | None:
-    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-
-
-def every_rank(value: float | None, device: torch.device) -> list[float | None]:
-    """``value`` of every rank, in rank order."""
-    mine = torch.tensor([float("nan") if value is None else value], device=device, dtype=torch.float64)
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
-    return [None if t.isnan().item() else t.item() for t in every]
-
-
-def exchange_ms(sent_bytes: int, cfg: UlyssesBenchConfig, device: torch.device) -> float:
-    """Median milliseconds of one ``all_to_all_single`` whose send buffer this rank sends ``sent_bytes`` of to
-    the others (the rest stays local), as the layer's exchange does."""
-    world = dist.get_world_size()
-    dtype = getattr(torch, cfg.dtype)
-    numel = sent_bytes * world // (world - 1) // dtype.itemsize
-    send = torch.empty(world, numel // world, device=device, dtype=dtype)
-    received = torch.empty_like(send)
-    return median_ms(lambda: dist.all_to_all_single(received, send), 3, cfg.exchange_rounds, device)
 
 
 def gather_sequence(t: torch.Tensor) -> torch.Tensor:
@@ -180,13 +138,6 @@ def gather_sequence(t: torch.Tensor) -> torch.Tensor:
     return torch.cat(every, dim=2)
 
 
-def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
-    expected = expected.float()
-    return ((got.float() - expected).abs().max() / expected.abs().max().clamp_min(1e-30)).item()
-
-
-def barrier(device: torch.device) -> None:
-    dist.barrier(device_ids=[device.index]) if device.type == "cuda" else dist.barrier()
 
 
 def measure(cfg: UlyssesBenchConfig, seq: int, check: bool, device: torch.device) -> dict:
@@ -207,7 +158,9 @@ def measure(cfg: UlyssesBenchConfig, seq: int, check: bool, device: torch.device
     row["exchange_bytes_per_rank"] = {"qkv": bytes_sent.qkv, "out": bytes_sent.out,
                                       "step": bytes_sent.forward + bytes_sent.backward}
     if world > 1:
-        qkv_ms, out_ms = exchange_ms(bytes_sent.qkv, cfg, device), exchange_ms(bytes_sent.out, cfg, device)
+        dtype = getattr(torch, cfg.dtype)
+        qkv_ms = exchange_ms(bytes_sent.qkv, dtype, cfg.exchange_rounds, device)
+        out_ms = exchange_ms(bytes_sent.out, dtype, cfg.exchange_rounds, device)
         row["exchange_ms"] = max(every_rank(2 * (qkv_ms + out_ms), device))  # forward and backward
         row["exchange_ms_split"] = {"qkv": qkv_ms, "out": out_ms}
     sharded_result = None

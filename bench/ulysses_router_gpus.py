@@ -44,10 +44,8 @@ else on them), since a rank that fails alone leaves the others waiting in a coll
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
-import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -56,6 +54,16 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import transformers
+from rank_timing import (
+    barrier,
+    every_rank,
+    exchange_ms,
+    free_memory,
+    median_ms,
+    peak_gib,
+    relative_error,
+    reset_peak,
+)
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel
 
 import flexsparse
@@ -180,55 +188,10 @@ def checked_step(cfg: RouterBenchConfig, model: torch.nn.Module, initial: list[t
 
 # ----- timing and collectives -------------------------------------------------------------------------------
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
-def median_ms(fn, warmup: int, steps: int, device: torch.device) -> float:
-    """Median milliseconds of ``steps`` calls, each timed alone (CUDA events on a GPU), after ``warmup``
-    calls. Every rank makes the same number of calls (they hold collectives)."""
-    for _ in range(warmup):
-        fn()
-    sync(device)
-    times = []
-    for _ in range(steps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            begin = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - begin) * 1e3)
-    return statistics.median(times)
 
 
-def free_memory(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def reset_peak(device: torch.device) -> None:
-    free_memory(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def peak_gib(device: torch.device) -> float | None:
-    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-
-
-def every_rank(value: float | None, device: torch.device) -> list[float | None]:
-    """``value`` of every rank, in rank order."""
-    mine = torch.tensor([float("nan") if value is None else value], device=device, dtype=torch.float64)
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
-    return [None if t.isnan().item() else t.item() for t in every]
 
 
 def all_ranks_ok(ok: bool, device: torch.device) -> bool:
@@ -237,25 +200,12 @@ def all_ranks_ok(ok: bool, device: torch.device) -> bool:
     return bool(flag.item())
 
 
-def barrier(device: torch.device) -> None:
-    dist.barrier(device_ids=[device.index]) if device.type == "cuda" else dist.barrier()
-
 
 def is_out_of_memory(error: BaseException) -> bool:
     """A CUDA allocation failure (also as cuBLAS's allocation error or wrapped by the compiler)."""
     return isinstance(error, torch.OutOfMemoryError) or (
         isinstance(error, RuntimeError) and ("out of memory" in str(error) or "ALLOC_FAILED" in str(error)))
 
-
-def exchange_ms(sent_bytes: int, cfg: RouterBenchConfig, device: torch.device) -> float:
-    """Median milliseconds of one ``all_to_all_single`` whose send buffer this rank sends ``sent_bytes`` of to
-    the others (the rest stays local), as a layer's exchange does."""
-    world = dist.get_world_size()
-    dtype = getattr(torch, cfg.dtype)
-    numel = sent_bytes * world // (world - 1) // dtype.itemsize
-    send = torch.empty(world, numel // world, device=device, dtype=dtype)
-    received = torch.empty_like(send)
-    return median_ms(lambda: dist.all_to_all_single(received, send), 3, cfg.exchange_rounds, device)
 
 
 def step_exchange_ms(exchanges: list, cfg: RouterBenchConfig, device: torch.device) -> float:
@@ -269,14 +219,10 @@ def step_exchange_ms(exchanges: list, cfg: RouterBenchConfig, device: torch.devi
             if sent == 0:
                 continue
             if sent not in timed:
-                timed[sent] = exchange_ms(sent, cfg, device)
+                timed[sent] = exchange_ms(sent, getattr(torch, cfg.dtype), cfg.exchange_rounds, device)
             total += timed[sent]
     return total
 
-
-def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
-    expected = expected.float()
-    return ((got.float() - expected).abs().max() / expected.abs().max().clamp_min(1e-30)).item()
 
 
 def compare(cfg: RouterBenchConfig, seq: int, sharded: dict, single: dict) -> dict:
