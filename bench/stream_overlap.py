@@ -70,6 +70,7 @@ from flexsparse.runtime.call import AttentionCall
 from flexsparse.runtime.executors import SdpaExecutor
 from flexsparse.runtime.inputs import call_geometry
 from flexsparse.runtime.plan import Planner
+from flexsparse.tools.bench import cuda_time_ms
 
 HEADS, KV_HEADS, DIM = 32, 8, 128
 FULL_KV = 2
@@ -275,25 +276,6 @@ def plan_label(attn: HybridAttention, q: Tensor, k: Tensor, v: Tensor, positions
 # ----- measuring -------------------------------------------------------------------------------------------
 
 
-def cuda_time_ms(fn: Callable[[], object], budget_s: float, rounds: int = 5) -> float:
-    """Milliseconds per ``fn()``: median over ``rounds`` of back-to-back calls between two CUDA events, after
-    a warm-up call; as many calls per round as fit ``budget_s`` (1 to 50)."""
-    fn()
-    torch.cuda.synchronize()
-    start_wall = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    calls = max(1, min(50, int(budget_s / rounds / max(time.perf_counter() - start_wall, 1e-5))))
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return statistics.median(times)
 
 
 def captured(fn: Callable[[], Tensor]) -> tuple[torch.cuda.CUDAGraph, Tensor]:
@@ -432,7 +414,8 @@ def time_eager(variants: dict, row: dict, clock: Clock, budget_s: float, turns: 
             for _ in range(turns):
                 for name in pair:
                     if clock.left() > 0:
-                        measure(partial(cuda_time_ms, variants[name], budget_s), times[name], row, name)
+                        measure(partial(cuda_time_ms, variants[name], budget_s=budget_s), times[name], row,
+                                name)
             for name in pair:
                 if times[name]:
                     row["eager_ms"][name] = statistics.median(times[name])
@@ -440,7 +423,7 @@ def time_eager(variants: dict, row: dict, clock: Clock, budget_s: float, turns: 
     for name in ready:
         if clock.left() > 0:
             times = []
-            measure(partial(cuda_time_ms, variants[name], budget_s), times, row, name)
+            measure(partial(cuda_time_ms, variants[name], budget_s=budget_s), times, row, name)
             if times:
                 row["eager_ms"][name] = times[0]
 
@@ -491,11 +474,11 @@ def time_graphs(variants: dict, row: dict, clock: Clock, budget_s: float, turns:
     for _ in range(turns):  # serial and overlapped in turns
         for name in order:
             if clock.left() > 0:
-                measure(partial(cuda_time_ms, graphs[name][0].replay, budget_s), times[name], row,
+                measure(partial(cuda_time_ms, graphs[name][0].replay, budget_s=budget_s), times[name], row,
                         f"{name} (graph)")
     for name in graphs:
         if name not in order and clock.left() > 0:
-            measure(partial(cuda_time_ms, graphs[name][0].replay, budget_s), times[name], row,
+            measure(partial(cuda_time_ms, graphs[name][0].replay, budget_s=budget_s), times[name], row,
                     f"{name} (graph)")
     for name, ts in times.items():
         if ts:
