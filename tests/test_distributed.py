@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import re
 import socket
-import sys
 from datetime import timedelta
 
 import pytest
@@ -17,12 +16,12 @@ import torch.multiprocessing as mp
 
 from flexsparse import ESA, Causal, HybridAttention, Positions, SinkWindow, TriangleMix, XAttention
 from flexsparse.distributed import UlyssesAttention, shard_sequence
+from tests.conftest import LOOPBACK
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*flex_attention called without torch.compile.*")
 
 B, H, H_KV, D, S = 2, 8, 4, 16, 32
 ATOL = 1e-5
-LOOPBACK = "lo0" if sys.platform == "darwin" else "lo"
 
 
 def layer() -> HybridAttention:
@@ -160,14 +159,6 @@ def test_needs_a_layer_and_a_process_group():
     assert not dist.is_initialized()
     with pytest.raises(RuntimeError, match="init_process_group"):
         UlyssesAttention(layer())
-
-
-@pytest.fixture
-def one_rank_group(monkeypatch):
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", LOOPBACK)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_one_rank_is_the_layer(one_rank_group):

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -53,10 +52,10 @@ from flexsparse.routers import (
 )
 from flexsparse.routers.base import mlp
 from flexsparse.routers.selection import select_modes
+from tests.conftest import LOOPBACK
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
-LOOPBACK = "lo0" if sys.platform == "darwin" else "lo"
 LAYERS, HEADS, KV_HEADS, HEAD_DIM = 2, 8, 4, 16
 SINK, WINDOW = 2, 4
 ATOL = 1e-5

@@ -18,8 +18,9 @@ from flexsparse.distributed import ExchangeBytes, UlyssesCausalLM, last_exchange
 from flexsparse.integrations import RouterTrainer, last_routings
 from flexsparse.masks import Causal, SinkWindow, TriangleMix
 from flexsparse.routers import SparsityConstraint
+from tests.conftest import LOOPBACK
 from tests.hf_util import left_padded, tiny_model
-from tests.test_distributed import LOOPBACK, START, FakeGroup, free_port
+from tests.test_distributed import START, FakeGroup, free_port
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*flex_attention called without torch.compile.*")
 
@@ -173,14 +174,6 @@ def test_heads_not_divisible_by_group_size():
         ulysses_model(tiny_model("llama"), FakeGroup(2))
     with pytest.raises(ValueError, match="not prepared by flexsparse.distributed.ulysses_model"):
         last_exchanges(static_model())
-
-
-@pytest.fixture
-def one_rank_group(monkeypatch):
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", LOOPBACK)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_one_rank_is_the_model_and_refuses_decode(one_rank_group):
