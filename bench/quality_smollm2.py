@@ -8,6 +8,8 @@ of Python's documentation at 2K / 4K / 8K, passkey at 2K (20 prompts, depths 10-
 quarter of the text, never the evaluated part.
 
     PYTHONPATH=. python bench/quality_smollm2.py --model PATH.gguf --out DIR
+    PYTHONPATH=. python bench/quality_smollm2.py --model PATH.gguf --methods full gates search \
+        'search:global=1' --search-length 8192 --out DIR        # the given methods only
 
 writes DIR/results.json (after every measurement, so a cut-off run keeps what it measured), DIR/quality.png,
 DIR/quality.md (one row per method) and prints the table and the time per method. Expected time on one H100:
@@ -27,7 +29,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from flexsparse.eval.calibration import GateOptions  # noqa: E402
+from flexsparse.eval.gates import GateOptions  # noqa: E402
+from flexsparse.eval.head_search import SearchOptions  # noqa: E402
 from flexsparse.eval.methods import parse_method  # noqa: E402
 from flexsparse.eval.models import load_model  # noqa: E402
 from flexsparse.eval.records import (  # noqa: E402
@@ -54,6 +57,11 @@ def main() -> int:
     parser.add_argument("--gate-steps", type=int, default=200)
     parser.add_argument("--calibration-length", type=int, default=2048)
     parser.add_argument("--calibration-samples", type=int, default=8)
+    parser.add_argument("--methods", nargs="+", default=None,
+                        help="evaluate these method specs only (default: the table's methods)")
+    parser.add_argument("--search-length", type=int, default=None,
+                        help="search: tokens per calibration text window (default: --calibration-length)")
+    parser.add_argument("--search-rounds", type=int, default=1)
     parser.add_argument("--device", default=None)
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args()
@@ -77,8 +85,13 @@ def main() -> int:
         evaluate(loaded, [parse_method(s) for s in specs], ["perplexity", "passkey"], args.lengths, args.trials,
                  task_lengths={"passkey": args.passkey_lengths}, corpus=corpus,
                  calibration_length=args.calibration_length, calibration_samples=args.calibration_samples,
-                 gates=GateOptions(steps=args.gate_steps), progress=not args.quiet, on_record=keep)
+                 gates=GateOptions(steps=args.gate_steps), search=search, progress=not args.quiet,
+                 on_record=keep)
 
+    search = SearchOptions(rounds=args.search_rounds, text_length=args.search_length)
+    if args.methods:
+        run(args.methods)
+        return finish(records, out, loaded.name, start)
     run(FIRST)
     longest = max(args.lengths)
     ratio = {r.method: r.value for r in with_ratios(records)
@@ -87,7 +100,11 @@ def main() -> int:
     print(f"best per-layer selector at {longest:,}: {best} (perplexity ratios {ratio}); its global budget next",
           flush=True)
     run([f"{best}:global=1"] + LAST)
+    return finish(records, out, loaded.name, start)
 
+
+def finish(records: list, out: Path, title: str, start: float) -> int:
+    """Print and write the table and the plot."""
     final = with_ratios(records)
     print(format_table(final))
     (out / "quality.md").write_text(markdown_table(final) + "\n")
@@ -95,7 +112,7 @@ def main() -> int:
     try:
         from flexsparse.eval.plots import PLOT_FILE, plot_quality
 
-        print(f"wrote {plot_quality(final, out / PLOT_FILE, title=loaded.name)}")
+        print(f"wrote {plot_quality(final, out / PLOT_FILE, title=title)}")
     except ImportError as err:
         print(f"no plot: {err}")
     print(f"wrote {out / RESULTS_FILE}; total {time.perf_counter() - start:.1f} s")

@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from flexsparse.eval.calibration import GateOptions  # noqa: E402
+from flexsparse.eval.gates import GateOptions  # noqa: E402
 from flexsparse.eval.methods import ConfigMethod, parse_method  # noqa: E402
 from flexsparse.eval.models import load_model  # noqa: E402
 from flexsparse.eval.records import (  # noqa: E402

@@ -66,7 +66,7 @@ def test_captured_retrieval_scores_equal_the_models_eager_attention_weights():
 
 @requires_model
 def test_gates_at_one_and_zero_give_the_full_and_the_converted_model():
-    from flexsparse.eval.calibration import gated
+    from flexsparse.eval.gates import gated
     from flexsparse.integrations import convert, revert
     from flexsparse.masks import Causal
 
@@ -98,7 +98,8 @@ def test_gates_at_one_and_zero_give_the_full_and_the_converted_model():
 
 @requires_model
 def test_gate_training_reaches_every_gate():
-    from flexsparse.eval.calibration import GateOptions, calibration_scores, gated
+    from flexsparse.eval.calibration import calibration_scores
+    from flexsparse.eval.gates import GateOptions, gated
 
     loaded = real_model()
     model, ids = loaded.model, real_corpus().windows(128, 1, split="calibration")
@@ -187,3 +188,103 @@ def test_cli_calibrate_rejects_bad_input(argv, message, tmp_path, capsys):
         code = exit_.code
     assert code == 2
     assert message in capsys.readouterr().err
+
+
+def _additive(weights: torch.Tensor):
+    """An objective whose best choice keeps the heads of largest weight (lower is better)."""
+    calls = []
+
+    def objective(full: torch.Tensor) -> float:
+        calls.append(full.clone())
+        return -float(weights[full].sum())
+    return objective, calls
+
+
+def test_per_layer_search_finds_each_layers_best_heads_and_keeps_the_counts():
+    from flexsparse.eval.head_search import refine_per_layer
+
+    weights = torch.rand(6, 4, generator=torch.Generator().manual_seed(0))
+    start = torch.zeros(6, 4, dtype=torch.bool)
+    start[:, 0] = True
+    start[2, 1] = True  # layer 2 keeps two heads
+    objective, calls = _additive(weights)
+    found, value = refine_per_layer(start, objective, rounds=2)
+    assert found.sum(1).tolist() == start.sum(1).tolist()
+    for layer in range(6):
+        best = weights[layer].topk(int(start[layer].sum())).indices
+        assert set(torch.nonzero(found[layer]).flatten().tolist()) == set(best.tolist())
+    assert value == -float(weights[found].sum()) < -float(weights[start].sum())
+    # one sweep finds a separable optimum; the second sweep changes nothing and ends the search
+    assert len(calls) == 1 + 2 * (5 * 3 + 5)
+
+
+def test_swap_search_moves_full_heads_between_layers_under_the_budget():
+    from flexsparse.eval.head_search import refine_by_swaps
+
+    weights = torch.rand(5, 3, generator=torch.Generator().manual_seed(1))
+    start = torch.zeros(5, 3, dtype=torch.bool)
+    start[:, 0] = True
+    objective, _ = _additive(weights)
+    found, value = refine_by_swaps(start, weights, objective, rounds=10, candidates=15)
+    assert int(found.sum()) == 5
+    assert set(torch.nonzero(found.flatten()).flatten().tolist()) == set(weights.flatten().topk(5).indices.tolist())
+    assert value == -float(weights[found].sum())
+    unchanged, _ = refine_by_swaps(found, weights, objective, rounds=3)
+    assert torch.equal(unchanged, found)  # a local optimum stays
+    with pytest.raises(ValueError, match="candidates"):
+        refine_by_swaps(start, weights, objective, candidates=0)
+
+
+@requires_model
+def test_search_objective_is_the_converted_models_nll():
+    import math
+
+    from flexsparse.eval.head_search import ModelObjective, SearchOptions
+    from flexsparse.eval.runner import perplexity
+    from flexsparse.integrations import convert, revert
+    from flexsparse.masks import Causal
+
+    loaded = real_model()
+    model, corpus = loaded.model, real_corpus()
+    options = SearchOptions(text_length=128, text_windows=1, passkey_prompts=0)
+    objective = ModelObjective(model, loaded.tokenizer, corpus, _window(), options, length=128)
+    choice = torch.zeros(LAYERS, KV_HEADS, dtype=torch.bool)
+    choice[:, 1] = True
+    with objective.gates_on():
+        gated_value = objective(choice)
+        full_value = objective(torch.ones(LAYERS, KV_HEADS, dtype=torch.bool))
+    windows = corpus.windows(128, 1, split="calibration")
+    assert full_value == pytest.approx(math.log(perplexity(model, windows, 1)), rel=1e-4)
+    convert(model, {"full": Causal(), "sparse": _window()}, [["sparse", "full", "sparse"]] * LAYERS,
+            backend="dense")
+    try:
+        converted = math.log(perplexity(model, windows, 1))
+    finally:
+        revert(model)
+    assert gated_value == pytest.approx(converted, rel=1e-4)
+    assert abs(gated_value - full_value) > 1e-3  # the sparse heads change the loss at 128 tokens, window 64
+
+
+@requires_model
+@pytest.mark.parametrize("per_layer", [True, False])
+def test_search_calibration_keeps_the_budget_and_lowers_its_objective(per_layer):
+    from flexsparse.eval.calibration import calibrate
+    from flexsparse.eval.gates import GateOptions
+    from flexsparse.eval.head_search import SearchOptions
+    from tests.hf_util import tiny_model
+
+    tokenizer = real_model().tokenizer  # real text and prompts on a small random model: a fast search
+    model = tiny_model("llama", vocab_size=len(tokenizer), num_hidden_layers=4, max_position_embeddings=512)
+    result = calibrate(model, tokenizer, method="search", budget=0.5, per_layer=per_layer, sparse=_window(),
+                       corpus=real_corpus(), length=160, samples=2, gates=GateOptions(steps=2),
+                       search=SearchOptions(text_windows=1, passkey_prompts=1, candidates=2))
+    counts = [modes.count("full") for modes in result.modes]
+    assert sum(counts) == 4 and (counts == [1] * 4 or not per_layer)
+    assert result.search["objective"] <= result.search["objective_start"]
+    assert result.search["evaluations"] >= 1 + 4  # the start, then one other choice per layer at least
+    assert model.config._attn_implementation == "sdpa"  # restored
+    with pytest.raises(ValueError, match="own budget"):
+        result.reselect(0.25)
+    with pytest.raises(ValueError, match="tp_size"):
+        calibrate(model, tokenizer, method="search", corpus=real_corpus(), length=160, samples=2, tp_size=2,
+                  gates=GateOptions(steps=1))

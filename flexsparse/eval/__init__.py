@@ -17,7 +17,7 @@ _EXPORTS = {
     "default_model_path": "models", "Corpus": "text", "TASKS": "tasks", "Record": "records",
     "read_records": "records", "write_records": "records", "format_table": "records", "plot_quality": "plots",
     "Calibration": "calibration", "calibrate": "calibration", "RouterFit": "router_fitting",
-    "train_routers": "router_fitting",
+    "train_routers": "router_fitting", "GateOptions": "gates", "SearchOptions": "head_search",
 }
 
 

@@ -29,7 +29,6 @@ spread by score.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import random
 from collections.abc import Callable, Iterator
@@ -39,15 +38,13 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-from transformers.modeling_utils import AttentionInterface
 
-from flexsparse.attention import HybridAttention
+from flexsparse.eval.gates import GateOptions, attention_swapped, gate_scores
+from flexsparse.eval.head_search import SearchOptions, search_heads
 from flexsparse.eval.tasks import passkey_prompt
 from flexsparse.eval.text import Corpus
-from flexsparse.heads import per_query_head
 from flexsparse.integrations.serialization import save_config
-from flexsparse.integrations.transformers import attention_layers, convert, is_converted, layer_heads, revert
+from flexsparse.integrations.transformers import attention_layers, convert, layer_heads, revert
 from flexsparse.masks import Causal, Pattern, SinkWindow
 from flexsparse.routers.selection import (
     entropy_selection,
@@ -58,22 +55,10 @@ from flexsparse.routers.selection import (
 )
 from flexsparse.validation import as_float, as_int
 
-SELECTORS = ("hsa", "retrieval", "entropy", "gates")
+SELECTORS = ("hsa", "retrieval", "entropy", "gates", "search")
 CAPTURE_NAME = "flexsparse_capture"
-GATES_NAME = "flexsparse_gates"
 SCORES_FILE = "calibration.json"
 DEFAULT_SPARSE = SinkWindow(sink=64, window=256)
-
-
-@dataclass(frozen=True)
-class GateOptions:
-    """DuoAttention-style gate training: Adam ``steps`` at learning rate ``lr`` on gate logits that start at
-    ``init_logit`` (gate 0.88); loss = relative MSE of the last hidden states + ``sparsity_weight`` x mean gate."""
-
-    steps: int = 200
-    lr: float = 0.1
-    sparsity_weight: float = 0.05
-    init_logit: float = 2.0
 
 
 # ----- running the model with a registered attention function -----------------------------------------------
@@ -84,50 +69,6 @@ def _capture_attention(module: nn.Module, query: Tensor, key: Tensor, value: Ten
     module.flexsparse_capture(module, query, key, value, scaling)
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                   **kwargs)
-
-
-def _gated_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask,
-                     scaling: float | None = None, dropout: float = 0.0, **kwargs):
-    """``g full + (1 - g) sparse`` per KV head, with the gates of ``module.flexsparse_gates``."""
-    if attention_mask is not None:
-        raise ValueError("gate training runs unpadded batches without an attention mask")
-    gates: _LayerGates = module.flexsparse_gates
-    full, _ = sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling, **kwargs)
-    sparse = gates.attention(query, key, value, modes="sparse", scale=scaling).transpose(1, 2)  # [B, S, H, d]
-    mix = per_query_head(gates.values(), query.shape[1] // key.shape[1], dim=0).to(full.dtype)[None, None, :, None]
-    return sparse + mix * (full - sparse), None
-
-
-def _register() -> None:
-    AttentionInterface.register(CAPTURE_NAME, _capture_attention)
-    AttentionMaskInterface.register(CAPTURE_NAME, sdpa_mask)
-    AttentionInterface.register(GATES_NAME, _gated_attention)
-    AttentionMaskInterface.register(GATES_NAME, sdpa_mask)
-
-
-@contextlib.contextmanager
-def _attention_swapped(model: nn.Module, name: str, attribute: str,
-                       state: Callable[[int, nn.Module], object]) -> Iterator[list[nn.Module]]:
-    """Run ``model`` with the registered attention ``name``; each attention module carries ``state(index,
-    module)`` as ``attribute`` meanwhile. Restores the implementation and removes the attributes."""
-    if is_converted(model):
-        raise ValueError("calibrate the model before converting it (flexsparse.revert(model) first)")
-    _register()
-    modules = [module for _, module in attention_layers(model)]
-    previous = model.config._attn_implementation
-    for index, module in enumerate(modules):
-        setattr(module, attribute, state(index, module))
-    try:
-        model.set_attn_implementation(name)
-        if model.config._attn_implementation != name:
-            raise ValueError(f"{type(model).__name__} refused set_attn_implementation({name!r}); calibration needs "
-                             "a model whose attention goes through transformers' registry")
-        yield modules
-    finally:
-        model.set_attn_implementation(previous)
-        for module in modules:
-            if hasattr(module, attribute):
-                delattr(module, attribute)
 
 
 def _output_projection(module: nn.Module, in_features: int) -> Tensor:
@@ -199,7 +140,7 @@ def _captured_scores(model: nn.Module, inputs: CalibrationInputs, batch_size: in
         return record
 
     batches = -(-len(inputs.ids) // batch_size)
-    with _attention_swapped(model, CAPTURE_NAME, "flexsparse_capture", capture) as modules:
+    with attention_swapped(model, CAPTURE_NAME, _capture_attention, "flexsparse_capture", capture) as modules:
         for ids, needle_mask in _progress(inputs.batches(batch_size), batches, "calibration", progress):
             current[0] = None if needle_mask is None else needle_mask.to(device)
             model(input_ids=ids.to(device), use_cache=False)
@@ -244,67 +185,6 @@ def entropy_scores(model: nn.Module, inputs: CalibrationInputs, *, batch_size: i
     return (total / len(inputs.ids)).float()
 
 
-class _LayerGates:
-    """One layer's view of the gate logits (row ``index`` of the shared ``[L, H_kv]`` tensor) and the
-    HybridAttention running its sparse branch: compiled flex on CUDA (it has a backward there, and long
-    calibration prompts fit), the dense backend elsewhere (CPU flex has no backward)."""
-
-    def __init__(self, index: int, logits: Tensor, module: nn.Module, sparse: Pattern, max_len: int) -> None:
-        heads, kv_heads, dim = layer_heads(module)
-        self.index, self.logits = index, logits
-        backend = "flex" if logits.device.type == "cuda" else "dense"
-        self.attention = HybridAttention(heads, kv_heads, dim, {"full": Causal(), "sparse": sparse},
-                                         backend=backend, max_dense_len=max_len).to(logits.device)
-
-    def values(self) -> Tensor:
-        return torch.sigmoid(self.logits[self.index])
-
-
-@contextlib.contextmanager
-def gated(model: nn.Module, logits: Tensor, sparse: Pattern, max_len: int = 8192) -> Iterator[None]:
-    """Run ``model`` with DuoAttention-style gates meanwhile: KV head h of layer l outputs ``g full + (1 - g)
-    sparse`` with ``g = sigmoid(logits[l, h])``; ``logits`` ``[L, H_kv]`` (a leaf that requires grad to train
-    them). Unpadded inputs of at most ``max_len`` tokens (off CUDA the sparse branch is dense: O(S^2))."""
-    layers = attention_layers(model)
-    kv_heads = layer_heads(layers[0][1])[1]
-    if not isinstance(logits, Tensor) or tuple(logits.shape) != (len(layers), kv_heads):
-        raise ValueError(f"logits must be a tensor [L, H_kv] = [{len(layers)}, {kv_heads}], got "
-                         f"{getattr(logits, 'shape', type(logits).__name__)}")
-    state = lambda index, module: _LayerGates(index, logits, module, sparse, max_len)
-    with _attention_swapped(model, GATES_NAME, "flexsparse_gates", state):
-        yield
-
-
-def gate_scores(model: nn.Module, inputs: CalibrationInputs, sparse: Pattern, *,
-                options: GateOptions = GateOptions(), batch_size: int = 1, seed: int = 0,
-                progress: bool = False) -> Tensor:
-    """DuoAttention-style gates ``[L, H_kv]`` in (0, 1), trained by distilling the full model's last hidden
-    states (see the module docstring). The model's weights are not changed."""
-    steps = as_int("steps", options.steps, minimum=1)
-    device = next(model.parameters()).device
-    decoder = model.get_decoder()
-    layers = attention_layers(model)
-    kv_heads = layer_heads(layers[0][1])[1]
-    batches = [ids.to(device) for ids, _ in inputs.batches(batch_size)]
-    with torch.no_grad():
-        targets = [decoder(input_ids=ids, use_cache=False).last_hidden_state.float() for ids in batches]
-    generator = torch.Generator().manual_seed(seed)
-    order = torch.randperm(len(batches) * -(-steps // len(batches)), generator=generator) % len(batches)
-    logits = nn.Parameter(torch.full((len(layers), kv_heads), float(options.init_logit), device=device))
-    optimizer = torch.optim.Adam([logits], lr=as_float("lr", options.lr, positive=True))
-    with gated(model, logits, sparse, max(8192, inputs.ids.shape[1])), torch.enable_grad():
-        for step in _progress(range(steps), steps, "gates", progress):
-            index = int(order[step])
-            hidden = decoder(input_ids=batches[index], use_cache=False).last_hidden_state.float()
-            target = targets[index]
-            loss = (hidden - target).pow(2).mean() / target.pow(2).mean()
-            loss = loss + options.sparsity_weight * torch.sigmoid(logits).mean()
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-    return torch.sigmoid(logits.detach()).cpu()
-
-
 # ----- selection and the result -----------------------------------------------------------------------------
 
 def select(scores: Tensor, budget: float, *, per_layer: bool = True, layer_scores: bool = False,
@@ -337,6 +217,8 @@ class Calibration:
     patterns: dict[str, Pattern]
     budget: float
     per_layer: bool
+    search: dict | None = None
+    """The search's summary (objective before and after, evaluations), for ``method="search"``."""
 
     @property
     def full_fraction(self) -> float:
@@ -346,6 +228,8 @@ class Calibration:
 
     def reselect(self, budget: float, per_layer: bool = True, tp_size: int = 1) -> Calibration:
         """The same scores under another budget (``tp_size``: balanced across tensor-parallel ranks)."""
+        if self.method == "search":
+            raise ValueError("a searched choice holds for its own budget only; calibrate(method='search') again")
         modes = select(self.scores, budget, per_layer=per_layer, layer_scores=self.method == "entropy",
                        tp_size=tp_size)
         return Calibration(self.method, self.scores, modes, self.patterns, budget, per_layer)
@@ -364,7 +248,8 @@ class Calibration:
         finally:
             revert(model)
         summary = {"method": self.method, "budget": self.budget, "per_layer": self.per_layer,
-                   "full_fraction": self.full_fraction, "scores": self.scores.tolist(), "modes": self.modes}
+                   "full_fraction": self.full_fraction, "scores": self.scores.tolist(), "modes": self.modes,
+                   "search": self.search}
         (Path(directory) / SCORES_FILE).write_text(json.dumps(summary, indent=1) + "\n")
         return path
 
@@ -373,7 +258,8 @@ def calibration_scores(model: nn.Module, tokenizer, method: str, *, sparse: Patt
                        corpus: Corpus | None = None, length: int = 2048, samples: int = 8,
                        batch_size: int | None = None, gates: GateOptions = GateOptions(), seed: int = 0,
                        progress: bool = False) -> Tensor:
-    """A selector's scores ``[L, H_kv]`` on the calibration part of ``corpus`` (default: the pydoc topics)."""
+    """A selector's scores ``[L, H_kv]`` on the calibration part of ``corpus`` (default: the pydoc topics); for
+    ``search``, the gates' (the search itself runs in :func:`calibrate`, at a budget)."""
     if method not in SELECTORS:
         raise ValueError(f"method must be one of {SELECTORS}, got {method!r}")
     length = as_int("length", length, minimum=64)
@@ -383,7 +269,7 @@ def calibration_scores(model: nn.Module, tokenizer, method: str, *, sparse: Patt
     corpus = Corpus.from_text(tokenizer) if corpus is None else corpus
     device = next(model.parameters()).device
     if batch_size is None:  # gate training keeps activations for the backward: half the tokens per step
-        tokens = 8192 if method == "gates" else 16384
+        tokens = 8192 if method in ("gates", "search") else 16384
         batch_size = max(1, tokens // length) if device.type == "cuda" else 1
     batch_size = as_int("batch_size", batch_size, minimum=1)
     if method == "hsa":
@@ -397,24 +283,25 @@ def calibration_scores(model: nn.Module, tokenizer, method: str, *, sparse: Patt
                                progress=progress)
         kv_heads = layer_heads(attention_layers(model)[0][1])[1]
         return layer[:, None].expand(-1, kv_heads).contiguous()
-    texts = text_inputs(corpus, length, max(1, samples // 2))
+    texts = text_inputs(corpus, length, max(1, samples // 2))  # gates (search starts from the gates' choice)
     needles = needle_inputs(corpus, tokenizer, length, max(1, samples - len(texts.ids)), seed)
-    mixed = CalibrationInputs(torch.cat([texts.ids, needles.ids]))
+    mixed = torch.cat([texts.ids, needles.ids])
     return gate_scores(model, mixed, sparse, options=gates, batch_size=batch_size, seed=seed, progress=progress)
 
 
 def calibrate(model: nn.Module, tokenizer, *, method: str = "retrieval", budget: float = 1 / 3,
               per_layer: bool = True, sparse: Pattern = DEFAULT_SPARSE, corpus: Corpus | None = None,
               length: int = 2048, samples: int = 8, batch_size: int | None = None,
-              gates: GateOptions = GateOptions(), seed: int = 0, progress: bool = False,
-              tp_size: int = 1) -> Calibration:
+              gates: GateOptions = GateOptions(), search: SearchOptions = SearchOptions(), seed: int = 0,
+              progress: bool = False, tp_size: int = 1) -> Calibration:
     """Choose which KV heads of ``model`` stay full (causal) and which run ``sparse``, from a selector's scores
     on real text.
 
     Args:
         model: a transformers causal LM, not converted (its attention goes through transformers' registry).
         tokenizer: its tokenizer (builds the calibration prompts).
-        method: ``"hsa"``, ``"retrieval"``, ``"entropy"`` or ``"gates"`` (see the module docstring).
+        method: ``"hsa"``, ``"retrieval"``, ``"entropy"``, ``"gates"`` or ``"search"`` (see the module
+            docstring).
         budget: fraction of KV heads kept full (``1/3``: one of three).
         per_layer: the same count in every layer (at least one), or one ranking over the whole model.
         sparse: the pattern of the other heads (default sink 64 + window 256).
@@ -422,11 +309,23 @@ def calibrate(model: nn.Module, tokenizer, *, method: str = "retrieval", budget:
         length, samples: tokens per calibration prompt and number of prompts (gates: half text windows, half
             passkey prompts).
         batch_size: prompts per forward (default on CUDA: 16K tokens per batch, 8K for gates; 1 on CPU).
-        gates: training options of the ``gates`` selector.
+        gates: training options of the ``gates`` selector (and of ``search``'s starting gates).
+        search: options of the ``search`` selector (its windows' length defaults to ``length``).
         tp_size: tensor-parallel ranks the modes are for (transformers' ``tp_plan``); above 1 every layer keeps
             the same number of full heads on every rank, each rank its best-scoring ones.
     """
+    if method == "search" and tp_size != 1:
+        raise ValueError("the search selector chooses for one rank (tp_size=1); use gates for tensor parallelism")
+    corpus = Corpus.from_text(tokenizer) if corpus is None else corpus
     scores = calibration_scores(model, tokenizer, method, sparse=sparse, corpus=corpus, length=length,
                                 samples=samples, batch_size=batch_size, gates=gates, seed=seed, progress=progress)
     modes = select(scores, budget, per_layer=per_layer, layer_scores=method == "entropy", tp_size=tp_size)
-    return Calibration(method, scores, modes, {"full": Causal(), "sparse": sparse}, float(budget), per_layer)
+    summary = None
+    if method == "search":
+        start = torch.tensor([[mode == "full" for mode in layer] for layer in modes])
+        full, summary = search_heads(model, tokenizer, corpus, start, scores, sparse,
+                                     per_layer=per_layer, length=length, options=search, seed=seed,
+                                     progress=progress)
+        modes = [["full" if keep else "sparse" for keep in layer] for layer in full.tolist()]
+    return Calibration(method, scores, modes, {"full": Causal(), "sparse": sparse}, float(budget), per_layer,
+                       summary)

@@ -44,9 +44,17 @@ def _load(args: argparse.Namespace):
 
 
 def _gate_options(steps: int):
-    from flexsparse.eval.calibration import GateOptions
+    from flexsparse.eval.gates import GateOptions
 
     return GateOptions(steps=steps)
+
+
+def _search_options(length: int | None):
+    from flexsparse.eval.head_search import SearchOptions
+
+    if length is not None:
+        _positive("--search-length", length)
+    return SearchOptions(text_length=length)
 
 
 def run_eval(args: argparse.Namespace) -> int:
@@ -87,8 +95,8 @@ def run_eval(args: argparse.Namespace) -> int:
     evaluate(loaded, methods, args.tasks, lengths, trials, corpus=corpus, backend=args.backend,
              batch_tokens=args.batch_tokens, calibration_length=args.calibration_length or min(2048, max(lengths)),
              calibration_samples=args.calibration_samples or (8 if cuda else 2),
-             gates=_gate_options(args.gate_steps or (200 if cuda else 10)), seed=args.seed,
-             progress=not args.quiet, on_record=keep)
+             gates=_gate_options(args.gate_steps or (200 if cuda else 10)),
+             search=_search_options(args.search_length), seed=args.seed, progress=not args.quiet, on_record=keep)
     final = with_ratios(records)
     print(format_table(final))
     print(f"wrote {write_records(final, out / RESULTS_FILE)}")
@@ -115,12 +123,14 @@ def run_calibrate(args: argparse.Namespace) -> int:
     corpus = _corpus(loaded, args.text)
     result = calibrate(loaded.model, loaded.tokenizer, method=args.method, budget=args.budget,
                        per_layer=not args.global_budget, sparse=sparse, corpus=corpus, length=length,
-                       samples=samples,
-                       gates=_gate_options(args.gate_steps or (200 if cuda else 10)), seed=args.seed,
-                       progress=not args.quiet)
+                       samples=samples, gates=_gate_options(args.gate_steps or (200 if cuda else 10)),
+                       search=_search_options(args.search_length), seed=args.seed, progress=not args.quiet)
     for layer, (modes, scores) in enumerate(zip(result.modes, result.scores.tolist())):
         cells = "  ".join(f"{m:<6} {s:8.4g}" for m, s in zip(modes, scores))
         print(f"layer {layer:3d}: {cells}")
+    if result.search is not None:
+        print(f"search: objective {result.search['objective_start']:.4f} -> {result.search['objective']:.4f} in "
+              f"{result.search['evaluations']} evaluations")
     print(f"{args.method}: {result.full_fraction:.3f} of the KV heads full "
           f"({'global budget' if args.global_budget else 'per layer'}), the others {sparse!r}")
     path = result.save(loaded.model, args.out)
@@ -147,6 +157,7 @@ def add_eval_command(subparsers) -> None:
                              "on CPU)")
     parser.add_argument("--methods", nargs="*", default=None, metavar="SPEC",
                         help="method specs: full, ssa, index, xa, triangle, esa, hsa, retrieval, entropy, gates, "
+                             "search, "
                              "with options as name:key=value,... e.g. 'gates:budget=0.3333,global=1' "
                              f"(default: {' '.join(DEFAULT_METHODS)})")
     parser.add_argument("--config", nargs="+", default=None, metavar="DIR",
@@ -167,6 +178,9 @@ def add_eval_command(subparsers) -> None:
                         help="calibration prompts (default 8 CUDA, 2 CPU)")
     parser.add_argument("--gate-steps", type=int, default=None,
                         help="gate training steps (default 200 CUDA, 10 CPU)")
+    parser.add_argument("--search-length", type=int, default=None,
+                        help="search: tokens per calibration text window it scores (default: the calibration "
+                             "length)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-plot", action="store_true", help="skip quality.png")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -178,8 +192,9 @@ def add_calibrate_command(subparsers) -> None:
     parser = subparsers.add_parser(
         "calibrate", help="choose the full KV heads of a real model by a selector and save the configuration")
     parser.add_argument("--model", default=None, help="as for eval (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--method", default="retrieval", choices=["hsa", "retrieval", "entropy", "gates"],
-                        help="selector (default retrieval; gates trains DuoAttention-style gates)")
+    parser.add_argument("--method", default="retrieval", choices=["hsa", "retrieval", "entropy", "gates", "search"],
+                        help="selector (default retrieval; gates trains DuoAttention-style gates; search refines "
+                             "the gates' choice on the model's own loss)")
     parser.add_argument("--budget", type=float, default=1 / 3, metavar="FRACTION_FULL",
                         help="fraction of KV heads kept full (default 1/3)")
     parser.add_argument("--global", dest="global_budget", action="store_true",
@@ -191,6 +206,8 @@ def add_calibrate_command(subparsers) -> None:
     parser.add_argument("--samples", type=int, default=None, help="calibration prompts (default 8 CUDA, 2 CPU)")
     parser.add_argument("--gate-steps", type=int, default=None,
                         help="gates: training steps (default 200 CUDA, 10 CPU)")
+    parser.add_argument("--search-length", type=int, default=None,
+                        help="search: tokens per calibration text window it scores (default: --length)")
     parser.add_argument("--text", nargs="+", default=None, metavar="FILE",
                         help="calibration corpus (default pydoc topics)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")

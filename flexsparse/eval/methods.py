@@ -14,7 +14,9 @@
 ``hsa``         calibrated selectors (:mod:`flexsparse.eval.calibration`): ``budget=0.3333`` of the
 ``retrieval``   KV heads full (``global=1``: one ranking over the model instead of the same count per layer),
 ``entropy``     the others sink + window (``sink``, ``window``); scores come from the calibration part of the
-``gates``       corpus, never from the evaluated text, and are computed once per run and selector
+``gates``       corpus, never from the evaluated text, and are computed once per run and selector; ``search``
+``search``      refines the gates' choice on the model's own loss (:mod:`flexsparse.eval.head_search`;
+                ``passkey=0.1``: the weight of the passkey answers' NLL in it)
 ==============  ============================================================================================
 
 A saved configuration (``flexsparse.save_config`` or ``flexsparse calibrate --out DIR``, routers included) is a
@@ -23,14 +25,18 @@ method too: :class:`ConfigMethod`.
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from torch import nn
 
-from flexsparse.eval.calibration import SELECTORS, GateOptions, calibration_scores, select
+from flexsparse.eval.calibration import SELECTORS, calibration_scores, select
+from flexsparse.eval.gates import GateOptions
+from flexsparse.eval.head_search import SearchOptions, search_heads
 from flexsparse.eval.text import Corpus
 from flexsparse.eval.xa_calibration import calibrate_xa, check_calibration
 from flexsparse.integrations import convert, load_config
@@ -56,9 +62,12 @@ class Setup:
     calibration_length: int = 2048
     calibration_samples: int = 8
     gates: GateOptions = GateOptions()
+    search: SearchOptions = SearchOptions()
     seed: int = 0
     progress: bool = False
     scores: dict = field(default_factory=dict)
+    searched: dict = field(default_factory=dict)
+    """The search selector's choices per (sparse pattern, budget, per layer) and their summaries."""
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -122,17 +131,36 @@ class SelectedMethod(Method):
     sparse: SinkWindow
     budget: float = 1 / 3
     per_layer: bool = True
+    passkey_weight: float | None = None
+    """search: the weight of the passkey answers' NLL in its objective (None: the setup's)."""
 
     def apply(self, setup: Setup) -> None:
-        key = (self.selector, self.sparse.sink, self.sparse.window)
+        scored = "gates" if self.selector == "search" else self.selector  # the search starts from the gates
+        key = (scored, self.sparse.sink, self.sparse.window)
         if key not in setup.scores:
             setup.scores[key] = calibration_scores(
-                setup.model, setup.tokenizer, self.selector, sparse=self.sparse, corpus=setup.corpus,
+                setup.model, setup.tokenizer, scored, sparse=self.sparse, corpus=setup.corpus,
                 length=setup.calibration_length, samples=setup.calibration_samples, gates=setup.gates,
                 seed=setup.seed, progress=setup.progress)
         modes = select(setup.scores[key], self.budget, per_layer=self.per_layer,
                        layer_scores=self.selector == "entropy")
+        if self.selector == "search":
+            modes = self._searched(setup, key, modes)
         setup.convert({"full": Causal(), "sparse": self.sparse}, modes)
+
+    def _searched(self, setup: Setup, key: tuple, modes: list[list[str]]) -> list[list[str]]:
+        options = setup.search
+        if self.passkey_weight is not None:
+            options = dataclasses.replace(options, passkey_weight=self.passkey_weight)
+        found = (key, self.budget, self.per_layer, options)
+        if found not in setup.searched:
+            start = torch.tensor([[mode == "full" for mode in layer] for layer in modes])
+            full, summary = search_heads(setup.model, setup.tokenizer, setup.corpus, start, setup.scores[key],
+                                         self.sparse, per_layer=self.per_layer, length=setup.calibration_length,
+                                         options=options, seed=setup.seed, progress=setup.progress)
+            setup.searched[found] = ([["full" if keep else "sparse" for keep in layer] for layer in full.tolist()],
+                                     summary)
+        return setup.searched[found][0]
 
 
 @dataclass
@@ -183,6 +211,7 @@ _OPTIONS = {
     "xa": {"threshold", "stride", "block_size", "calibrated", "quantile"},
     "triangle": {"sink", "window", "last_q"}, "esa": {"attn_length"},
     **{name: {"budget", "global", "sink", "window"} for name in SELECTORS},
+    "search": {"budget", "global", "sink", "window", "passkey"},
 }
 
 
@@ -223,6 +252,10 @@ def parse_method(spec: str) -> Method:
         budget = float(options.get("budget", 1 / 3))
         if not 0.0 <= budget <= 1.0:
             raise ValueError(f"budget must be in [0, 1], got {budget}")
-        return SelectedMethod(spec, name, window, budget, per_layer=not options.get("global", 0))
+        weight = float(options["passkey"]) if "passkey" in options else None
+        if weight is not None and weight < 0:
+            raise ValueError(f"passkey must be a weight >= 0, got {weight}")
+        return SelectedMethod(spec, name, window, budget, per_layer=not options.get("global", 0),
+                              passkey_weight=weight)
     except (TypeError, ValueError) as err:
         raise ValueError(f"method {spec!r}: {err}") from None

@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from flexsparse.eval.calibration import GateOptions
+from flexsparse.eval.gates import GateOptions
+from flexsparse.eval.head_search import SearchOptions
 from flexsparse.eval.methods import Method, Setup
 from flexsparse.eval.models import LoadedModel
 from flexsparse.eval.records import Record
@@ -216,7 +217,7 @@ def evaluate(loaded: LoadedModel, methods: Sequence[Method], tasks: Sequence[str
              task_lengths: Mapping[str, Sequence[int]] | None = None,
              corpus: Corpus | None = None, backend: str | None = None, batch_tokens: int | None = None,
              calibration_length: int = 2048, calibration_samples: int = 8, gates: GateOptions = GateOptions(),
-             seed: int = 0, progress: bool = False,
+             search: SearchOptions = SearchOptions(), seed: int = 0, progress: bool = False,
              on_record: Callable[[Record], None] | None = None) -> list[Record]:
     """Evaluate ``methods`` on ``tasks`` at ``lengths`` (per task: ``task_lengths[task]`` where given).
 
@@ -229,7 +230,7 @@ def evaluate(loaded: LoadedModel, methods: Sequence[Method], tasks: Sequence[str
         corpus: the text (default: the pydoc topics); calibration uses its first part, tasks the rest.
         backend: HybridAttention backend of converted methods (default :func:`default_backend`).
         batch_tokens: tokens per forward (default 32K on CUDA, 4K on CPU).
-        calibration_length, calibration_samples, gates: settings of calibrated methods.
+        calibration_length, calibration_samples, gates, search: settings of calibrated methods.
         on_record: called with each record as soon as it is measured (e.g. to write partial results).
     Returns the records in the order measured.
     """
@@ -251,7 +252,8 @@ def evaluate(loaded: LoadedModel, methods: Sequence[Method], tasks: Sequence[str
     every_length = [n for _, sizes in plan for n in sizes]
     setup = Setup(model, loaded.tokenizer, corpus or Corpus.from_text(loaded.tokenizer),
                   backend or default_backend(device, every_length), calibration_length=calibration_length,
-                  calibration_samples=calibration_samples, gates=gates, seed=seed, progress=progress)
+                  calibration_samples=calibration_samples, gates=gates, search=search, seed=seed,
+                  progress=progress)
     if batch_tokens is None:
         batch_tokens = 32768 if device.type == "cuda" else 4096
     # every method and length is its own compiled flex variant: raise the per-process limit for this run
