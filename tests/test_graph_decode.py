@@ -164,7 +164,7 @@ def test_graph_decoder_refusals():
         GraphDecoder(model, SparseKVCache(model, max_length=20, one_launch_decode=True), capture=False)
     with pytest.raises(ValueError, match="need a SparseKVCache built with max_length"):
         GraphDecoder(model, prefilled(model, ids, mask, max_length=None), capture=False)
-    with pytest.raises(ValueError, match="need flexsparse's SparseKVCache, got DynamicCache"):
+    with pytest.raises(TypeError, match="need flexsparse's SparseKVCache, got DynamicCache"):
         GraphDecoder(model, transformers.DynamicCache(), capture=False)
 
 

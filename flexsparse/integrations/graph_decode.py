@@ -59,7 +59,7 @@ class GraphDecoder:
                  attention_mask: Tensor | None = None, position_ids: Tensor | None = None,
                  capture: bool | None = None) -> None:
         if not isinstance(cache, SparseKVCache):
-            raise ValueError(f"decode graphs need flexsparse's SparseKVCache, got {type(cache).__name__}")
+            raise TypeError(f"decode graphs need flexsparse's SparseKVCache, got {type(cache).__name__}")
         layer = cache.layers[0]
         device = getattr(layer, "device", None)
         if device is None or layer.tokens == 0:
@@ -111,9 +111,10 @@ class GraphDecoder:
         """One decode step of the new token ids ``[B, 1]``: logits ``[B, 1, V]`` (a new tensor)."""
         if not isinstance(input_ids, Tensor) or tuple(input_ids.shape) != (self.batch, 1) or \
                 input_ids.dtype.is_floating_point or input_ids.device != self.device:
+            got = (f"{list(input_ids.shape)} {input_ids.dtype} on {input_ids.device}"
+                   if isinstance(input_ids, Tensor) else type(input_ids).__name__)
             raise ValueError(f"input_ids must be integer token ids [{self.batch}, 1] on {self.device} (the batch "
-                             f"the graph was made for), got {getattr(input_ids, 'shape', type(input_ids).__name__)}"
-                             f"{'' if not isinstance(input_ids, Tensor) else f' {input_ids.dtype} on {input_ids.device}'}")
+                             f"the graph was made for), got {got}")
         if self.cache.layers[0].device_steps is not self.steps:
             raise ValueError("the sparse KV cache left this decoder's device-side steps (stop_device_steps, reset "
                              "or another decoder); build a new GraphDecoder")
