@@ -98,6 +98,7 @@ class GraphDecoder:
             arguments["cache_position"] = self.steps.cache_position
         return arguments
 
+    @torch.no_grad()
     def forward_step(self) -> Tensor:
         """The function a graph records: the step's bounds and positions from the device counters (which then
         advance), and the model's forward on the static ``input_ids``; returns the logits ``[B, 1, V]``. Its
@@ -107,6 +108,7 @@ class GraphDecoder:
         self.output = self.forward(input_ids=self.input_ids, **self._arguments)
         return self.output.logits
 
+    @torch.no_grad()
     def step(self, input_ids: Tensor) -> Tensor:
         """One decode step of the new token ids ``[B, 1]``: logits ``[B, 1, V]`` (a new tensor)."""
         if not isinstance(input_ids, Tensor) or tuple(input_ids.shape) != (self.batch, 1) or \

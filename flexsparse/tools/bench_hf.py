@@ -6,7 +6,8 @@ window 2048 heads). Three measurements, every ratio from times taken in the same
 1. KV memory of the sparse cache at 128K against the all-full cache (the formula gives 3.81x);
 2. one layer's decode attention per step at 128K, batch 1 and 8: flexsparse's attention function with its sparse
    KV cache (cache write and one HybridAttention call per head group), against all-full SDPA over the whole cache
-   and the ideal hybrid (two SDPA calls on pre-split caches, no masks), timed in turns;
+   and the ideal hybrid (two SDPA calls on pre-split caches, no masks), timed in turns; on CUDA also the same
+   step replayed from a CUDA graph ("flexsparse_graph", the cache's device-side steps);
 3. end-to-end ``generate()`` on a Llama-shaped model built from its config (8 layers, hidden 4096, 32/8 heads,
    random weights) at 32K and 128K prompts: flexsparse (sparse KV cache) against the same model with sdpa and
    transformers' DynamicCache, as is and with cuDNN's SDPA disabled (on an H100 with torch 2.11 SDPA picks cuDNN,
