@@ -132,13 +132,23 @@ def test_generate_with_device_steps_gives_the_eager_tokens(lengths, monkeypatch)
         calls.append(1)
         return original_step(self, input_ids)
 
+    def prefill_kwargs(self, *args, **kwargs):
+        if kwargs["input_ids"].shape[1] > 1:
+            prefills.append(sorted(kwargs))
+        return original_call(self, *args, **kwargs)
+
+    prefills = []
+    original_call = GraphDecodeForward.__call__
     monkeypatch.setattr(GraphDecodeForward, "capture", False)
+    monkeypatch.setattr(GraphDecodeForward, "__call__", prefill_kwargs)
     monkeypatch.setattr(GraphDecoder, "step", counted)
     convert(model, PATTERNS, MIXED, backend="dense", decode_graphs=True)
     got = greedy(model, ids, mask, new_tokens, past_key_values=cache())
     assert torch.equal(got, expected)
     assert len(calls) == new_tokens - 1
     assert "forward" not in model.__dict__
+    # generate() reads the forward's signature: it still passes the rotary positions and logits_to_keep
+    assert {"position_ids", "logits_to_keep"} <= set(prefills[0])
 
 
 # ---------------------------------------------------------------------------------------------------------------

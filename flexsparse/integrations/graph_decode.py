@@ -205,6 +205,8 @@ class GraphDecodeForward:
     def __init__(self, model: nn.Module, cache: SparseKVCache, previous: Callable) -> None:
         self.model, self.cache, self.previous = model, cache, previous
         self.decoder: GraphDecoder | None = None
+        # generate() reads the forward's signature (whether it takes position_ids, logits_to_keep, cache): keep it
+        self.__signature__ = inspect.signature(previous)
 
     def __call__(self, *args, **kwargs):
         ids = kwargs.get("input_ids")
