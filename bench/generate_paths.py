@@ -9,7 +9,10 @@ step of a greedy ``generate()`` of ``--tokens`` new tokens (``bench_hf.generate_
 - ``sdpa + StaticCache + compile``: ``cache_implementation="static"``, which makes ``generate()`` run the decode
   step through ``torch.compile`` (CUDA graphs): transformers' fastest decode;
 - ``flexsparse``: ``flexsparse.convert`` with 2 full + 6 sink-128/window-2048 KV heads per layer and its
-  ``SparseKVCache``.
+  ``SparseKVCache``;
+- ``flexsparse + CUDA graphs``: the same with ``convert(..., decode_graphs=True)``: each decode step replays a
+  CUDA graph of the model's decode forward (``flexsparse.integrations.graph_decode``; CUDA only, skipped with
+  ``--smoke``).
 
 The floor of a decode step is the bytes it must read once -- the weights (without the embedding table, of which
 a step reads one row) and the KV cache its attention reads (every key of the full heads; sink + window keys of the
@@ -35,7 +38,8 @@ import torch
 import flexsparse
 from flexsparse.tools.bench_hf import SMOKE, HfBenchConfig, generate_timed, llama_from_config
 
-PATHS = ("sdpa + DynamicCache", "sdpa + StaticCache + compile", "flexsparse")
+PATHS = ("sdpa + DynamicCache", "sdpa + StaticCache + compile", "flexsparse", "flexsparse + CUDA graphs")
+FLEXSPARSE_PATHS = ("flexsparse", "flexsparse + CUDA graphs")
 
 
 def hbm_bytes_per_s(device: torch.device) -> float | None:
@@ -79,14 +83,14 @@ def run_path(name: str, cfg: HfBenchConfig, model, ids: torch.Tensor, tokens: in
         kwargs = {"cache_implementation": "static"}
         if not compile_static:
             kwargs["disable_compile"] = True
-    if name == "flexsparse":
+    if name in FLEXSPARSE_PATHS:
         flexsparse.convert(model, cfg.patterns(), [cfg.modes()] * cfg.e2e_layers, block_size=cfg.block_size,
-                           backend=cfg.backend)
+                           backend=cfg.backend, decode_graphs=name == "flexsparse + CUDA graphs")
     try:
         generate_timed(model, ids, 4, ids.device, **kwargs)  # warm-up: compiles
         return generate_timed(model, ids, tokens, ids.device, **kwargs)[1]
     finally:
-        if name == "flexsparse":
+        if name in FLEXSPARSE_PATHS:
             flexsparse.revert(model)
 
 
@@ -114,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
         gen = torch.Generator(device=device).manual_seed(seq)
         ids = torch.randint(1, cfg.e2e_vocab, (1, seq), device=device, generator=gen)
         for name in args.paths:
+            if name == "flexsparse + CUDA graphs" and device.type != "cuda":
+                print(f"{name} at {seq}: skipped (CUDA graphs need a CUDA device)", flush=True)
+                continue
             if cudnn:
                 torch.backends.cuda.enable_cudnn_sdp(False)
             try:
@@ -126,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
                     torch.backends.cuda.enable_cudnn_sdp(True)
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-            floor_bytes = weights + kv_read_bytes(cfg, seq + tokens, sparse=name == "flexsparse")
+            floor_bytes = weights + kv_read_bytes(cfg, seq + tokens, sparse=name in FLEXSPARSE_PATHS)
             floor_s = floor_bytes / bandwidth if bandwidth else None
             rows.append({"path": name, "seq": seq, "step_ms": None if step is None else step * 1e3,
                          "tokens_per_s": None if step is None else 1 / step, "floor_bytes": floor_bytes,

@@ -1,8 +1,10 @@
 """flexsparse inside model libraries. ``transformers``: convert / revert a causal LM, a sparse KV cache for
-``generate()``, routers inside a converted model and their trainer, and its saved configuration (needs the
-``hf`` extra: ``pip install flexsparse[hf]``). Calibration and router fitting on real text: the ``eval`` package.
+``generate()`` (decode steps replayed from CUDA graphs with ``convert(..., decode_graphs=True)``), routers inside
+a converted model and their trainer, and its saved configuration (needs the ``hf`` extra: ``pip install
+flexsparse[hf]``). Calibration and router fitting on real text: the ``eval`` package.
 """
 
+from flexsparse.integrations.graph_decode import GraphDecoder
 from flexsparse.integrations.kv_cache import SparseKVCache, kv_memory_formula
 from flexsparse.integrations.router_trainer import RouterTrainer
 from flexsparse.integrations.routing import (
@@ -26,6 +28,7 @@ from flexsparse.integrations.transformers import (
 
 __all__ = [
     "ATTENTION_NAME",
+    "GraphDecoder",
     "RouterTrainer",
     "SparseKVCache",
     "cache_argument",

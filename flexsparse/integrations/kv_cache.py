@@ -61,6 +61,12 @@ groups' slots; with generate()'s maximum length ``S`` and no "keep" heads under 
 ``2 B d bytes (H_every S + H_ring min(S, sink + window))`` exactly (:func:`kv_memory_formula`; ``H_every``: full,
 XAttention, TriangleMix and ESA heads), and an all-full model's cache has the size of a DynamicCache.
 
+Device-side steps (for CUDA graphs, :mod:`flexsparse.integrations.graph_decode`): after
+:meth:`SparseKVCache.start_device_steps`, one-token steps of a cache whose every layer takes the one-launch step
+(layouts "none" and "left") read each group's lo/hi/slot from static buffers of a :class:`DeviceSteps` (shared by
+the layers), which :meth:`DeviceSteps.begin_step` computes on the device from device counters and then advances:
+no tensor of such a step depends on a host int, so a recorded step serves step after step.
+
 Decoding uses the modes the cache was built with (the layer's modes at prefill; converting again invalidates the
 cache). Modes chosen per call and per sequence (a router) need every key in every head: such layers must use a
 DynamicCache (the cache refuses routed models; ``generate()`` keeps its DynamicCache for them).
@@ -459,6 +465,56 @@ class _Ring(_GroupCache):
         return out
 
 
+class DeviceSteps:
+    """A :class:`SparseKVCache`'s decode-step state on the device, shared by its layers (its device-step mode, see
+    :meth:`SparseKVCache.start_device_steps`).
+
+    Counters, int64 on the cache's device: ``tokens`` ``[1]``, the slots each row filled before the next step
+    (padding included); ``real`` ``[B]``, the real tokens of each row among them; ``next_positions`` ``[B, 1]``,
+    the next step's position ids. :meth:`begin_step` computes a step's static buffers from them -- the model's
+    ``position_ids`` ``[B, 1]`` and ``cache_position`` ``[1]``, each group's lo/hi/slot ``[B]`` -- and advances
+    them by one token, all on the device: a recorded step reads and advances the same tensors at every replay.
+    """
+
+    def __init__(self, tokens: int, real: Tensor, positions: Tensor, rings: set[tuple[int, int, int]]) -> None:
+        device, batch = real.device, real.shape[0]
+        self.tokens = torch.full((1,), tokens, dtype=torch.long, device=device)
+        self.real = real.to(torch.long).clone()
+        self.next_positions = positions.to(device, torch.long).clone()
+        self.position_ids = self.next_positions.clone()
+        self.cache_position = self.tokens.clone()
+
+        def bounds() -> tuple[Tensor, Tensor, Tensor]:  # lo, hi, slot
+            return tuple(torch.zeros(batch, dtype=torch.long, device=device) for _ in range(3))
+
+        self._every = bounds()  # of "full" groups: the same for every capacity
+        self._rings = {key: bounds() for key in sorted(rings)}  # per (sink, window, capacity)
+
+    def begin_step(self) -> None:
+        """This step's buffers from the counters, then the counters one token on (device work only: no host int
+        enters a tensor, no sync)."""
+        lo, hi, slot = self._every
+        torch.sub(self.tokens, self.real, out=lo)  # a row's real tokens are its last slots (every slot: "none")
+        hi.copy_(self.tokens + 1)
+        slot.copy_(self.tokens)
+        for (sink, window, capacity), (_, ring_hi, ring_slot) in self._rings.items():  # ring lo stays 0
+            ring_slot.copy_(ring_slot_of(self.real, sink, window))  # the new token is real token number `real`
+            torch.clamp(self.real + 1, max=capacity, out=ring_hi)
+        self.position_ids.copy_(self.next_positions)
+        self.cache_position.copy_(self.tokens)
+        self.tokens += 1
+        self.real += 1
+        self.next_positions += 1
+
+    def group(self, group: _GroupCache) -> DecodeGroup:
+        """The step's :class:`DecodeGroup` of one group's buffers (its bounds: static buffers of this state)."""
+        if isinstance(group, _Ring):
+            bounds = self._rings[(group.sink, group.window, group.capacity)]
+        else:
+            bounds = self._every
+        return DecodeGroup(group.keys, group.values, group.group.kv_heads[0], *bounds)
+
+
 class SparseKVLayer(CacheLayerMixin):
     """One layer of a :class:`SparseKVCache`: its head groups' buffers."""
 
@@ -470,6 +526,7 @@ class SparseKVLayer(CacheLayerMixin):
                  one_launch_decode: bool | None = None, counts: _Counts | None = None) -> None:
         super().__init__()
         self.layer = layer
+        self.max_length = max_length
         counts = _Counts() if counts is None else counts
         self.tokens = 0
         self.layout = "none"  # padding of the tokens so far: "none", "left" (a left-padded prompt) or "other"
@@ -489,6 +546,7 @@ class SparseKVLayer(CacheLayerMixin):
         fits_kernel = layer.attention.head_dim <= MAX_HEAD_DIM and len(self.groups) <= 2 and all(
             group.group.kind in ("full", "ring") and group.kv_index.slice is not None for group in self.groups)
         self._decode_step: DecodeStep | None = None  # the one-launch step prepared for the current buffers
+        self.device_steps: DeviceSteps | None = None  # set while the cache runs device-side steps
         self.one_launch_decode = one_launch_decode if fits_kernel else False
         """Whether a decode step runs as one kernel call: None on CUDA, True where the kernels run, False never
         (False also when the layer does not fit the kernel: more than two full or ring groups of consecutive heads,
@@ -512,6 +570,10 @@ class SparseKVLayer(CacheLayerMixin):
         if key_states.shape[1] != self.layer.attention.num_kv_heads:
             raise ValueError(f"{self.layer.where}: keys have {key_states.shape[1]} heads, the layer has "
                              f"{self.layer.attention.num_kv_heads} KV heads")
+        if self.device_steps is not None and self.tokens + key_states.shape[2] > self.room():
+            raise ValueError(f"{self.layer.where}: the sparse KV cache's buffers hold {self.room()} tokens, a "
+                             f"device-side step would cache token {self.tokens + key_states.shape[2]} (its static "
+                             "buffers cannot grow); size the cache with a larger max_length")
         self.layer.stage(self, key_states, value_states)
         self.tokens += key_states.shape[2]
         for group in self.groups:
@@ -527,6 +589,11 @@ class SparseKVLayer(CacheLayerMixin):
         if (mask.q_len, mask.kv_len) != (q_len, self.tokens):
             raise ValueError(f"layer {layer.layer_idx}: the mask covers {mask.q_len} queries of {mask.kv_len} "
                              f"tokens, the cache has {q_len} new of {self.tokens}")
+        if self.device_steps is not None:
+            if q_len != 1:
+                raise ValueError(f"{layer.where}: the sparse KV cache runs device-side steps of one token, got "
+                                 f"{q_len}; call stop_device_steps() before other forwards")
+            return self._one_launch(q, key, value, [self.device_steps.group(group) for group in self.groups], scale)
         if past == 0:  # prefill: every head over the prompt, then the groups keep what they need
             out = layer.attention(q, key, value, positions=mask.positions(), scale=scale)
             self.layout = mask.padding_layout()  # kept with positions(): no extra sync
@@ -539,13 +606,8 @@ class SparseKVLayer(CacheLayerMixin):
             self.layout = "other"
         decode = self.layout if q_len == 1 and self.layout != "other" else None
         if decode is not None and self._one_launch_on(q.device):
-            groups = [group.step_group(mask, past, decode) for group in self.groups]
-            step = self._decode_step
-            if step is None or not step.accepts(q, key, value, groups, scale):
-                from flexsparse.kernels.decode import DecodeStep  # triton: imported where it runs
-
-                step = self._decode_step = DecodeStep(q, key, value, groups, scale)
-            return step(q, key, value, groups)
+            return self._one_launch(q, key, value, [group.step_group(mask, past, decode) for group in self.groups],
+                                    scale)
         results = [group.attend(layer, q, key, value, mask, past, scale, decode) for group in self.groups]
         if len(results) == 1:
             return results[0]
@@ -555,6 +617,41 @@ class SparseKVLayer(CacheLayerMixin):
         for group, result in zip(self.groups, results):
             group.q_index.put(out, result)
         return out
+
+    def _one_launch(self, q: Tensor, key: Tensor, value: Tensor, groups: list[DecodeGroup],
+                    scale: float | None) -> Tensor:
+        """The step as one :class:`~flexsparse.kernels.decode.DecodeStep` call (prepared again when the buffers or
+        the bounds' layout change)."""
+        step = self._decode_step
+        if step is None or not step.accepts(q, key, value, groups, scale):
+            from flexsparse.kernels.decode import DecodeStep  # triton: imported where it runs
+
+            step = self._decode_step = DecodeStep(q, key, value, groups, scale)
+        return step(q, key, value, groups)
+
+    def room(self) -> int | float:
+        """The most tokens the buffers hold without growing (inf: a full ring, which never grows)."""
+        return min((group.capacity for group in self.groups
+                    if not (isinstance(group, _Ring) and group.capacity == group.full_size)), default=float("inf"))
+
+    def device_steps_refusal(self) -> str | None:
+        """Why this layer cannot run device-side steps (None: it can): they need a prefilled cache, at most two
+        groups of full or sink + window heads, consecutive, on the one-launch step, and no padding but a
+        left-padded prompt."""
+        kinds = sorted({group.group.kind for group in self.groups} - {"full", "ring"})
+        if kinds:
+            return (f"its {', '.join(map(repr, kinds))} heads decode through their own executors; device-side "
+                    "steps take full and token-exact SinkWindow heads only")
+        if not self.is_initialized or self.tokens == 0 or any(group.keys is None for group in self.groups):
+            return "the cache holds no prompt yet (device-side steps follow a prefill)"
+        if not self._one_launch_on(self.device):
+            return (f"its decode steps do not run as one kernel call on {self.device} (they need CUDA or the "
+                    "Triton interpreter with one_launch_decode not False, at most two groups of consecutive heads "
+                    f"and a head dim up to {MAX_HEAD_DIM})")
+        if self.layout == "other":
+            return ("the cache holds padding other than a left-padded prompt (a right-padded prompt or padding "
+                    "after it), which decodes through position masks")
+        return None
 
     def _one_launch_on(self, device: torch.device) -> bool:
         """Whether this layer's decode steps on ``device`` run as one kernel call (see ``one_launch_decode``)."""
@@ -584,19 +681,28 @@ class SparseKVLayer(CacheLayerMixin):
         self.tokens = 0
         self.layout = "none"
         self._decode_step = None
+        self.device_steps = None
         for group in self.groups:
             group.keys = group.values = None
 
+    def _check_buffers_stay(self, what: str) -> None:
+        if self.device_steps is not None:
+            raise ValueError(f"{self.layer.where}: {what} replaces the sparse KV cache's buffers, which its "
+                             "device-side steps (a captured decode graph) hold; call stop_device_steps() first")
+
     def reorder_cache(self, beam_idx: Tensor) -> None:
+        self._check_buffers_stay("reorder_cache (beam search)")
         for group in self.groups:
             group.map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        self._check_buffers_stay("batch_repeat_interleave")
         self.batch *= repeats
         for group in self.groups:
             group.map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices: Tensor) -> None:
+        self._check_buffers_stay("batch_select_indices")
         for group in self.groups:
             group.map_batch(lambda t: t[indices])
         self.batch = next((g.keys.shape[0] for g in self.groups if g.keys is not None), self.batch)
@@ -633,6 +739,75 @@ class SparseKVCache(Cache):
 
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
         return self.layers[layer_idx].update(key_states, value_states)
+
+    def start_device_steps(self, attention_mask: Tensor | None = None,
+                           position_ids: Tensor | None = None) -> DeviceSteps:
+        """Run the following one-token steps from device-side state (for CUDA graphs,
+        :mod:`~flexsparse.integrations.graph_decode`); returns it, a :class:`DeviceSteps` shared by the layers.
+
+        Each step then calls :meth:`DeviceSteps.begin_step` before the model's forward, gives the model its
+        ``position_ids`` (and ``cache_position``), and every layer's step reads its groups' bounds from it; the
+        forward's mask is not read (pass ``attention_mask=None``: every new token is real, as in generate()).
+        ``attention_mask``: the 2-D padding mask ``[B, >= tokens]`` of the cached tokens (needed after a
+        left-padded prompt; None: no padding). ``position_ids``: the next step's, ``[B, 1]`` (generate()'s;
+        None: the cache length, the model's own default); later steps count on by one. Host-side state (each
+        layer's ``tokens``) still advances per step: by the forward, or by :meth:`replayed_step` for a step that
+        ran without Python. ValueError naming the layer and why when a layer cannot (ESA or other heads with
+        their own decode, a routed layer, padding other than a left-padded prompt, no prompt cached, no one-launch
+        step on the device); :meth:`stop_device_steps` returns to the host-driven steps.
+        """
+        layers: list[SparseKVLayer] = self.layers
+        for layer in layers:
+            reason = layer.device_steps_refusal()
+            if reason is not None:
+                raise ValueError(f"{layer.layer.where} cannot run device-side decode steps: {reason}")
+        tokens = {layer.tokens for layer in layers}
+        if len(tokens) != 1:
+            raise ValueError(f"the cache's layers hold different token counts {sorted(tokens)}; device-side steps "
+                             "start between forwards")
+        (tokens,) = tokens
+        first = layers[0]
+        batch, device = first.batch, first.device
+        if attention_mask is None:
+            if any(layer.layout != "none" for layer in layers):
+                raise ValueError("the cache holds a left-padded prompt: start_device_steps needs its attention_mask "
+                                 f"[{batch}, >= {tokens}]")
+            real = torch.full((batch,), tokens, dtype=torch.long, device=device)
+        else:
+            if not isinstance(attention_mask, Tensor) or attention_mask.dim() != 2 or \
+                    attention_mask.shape[0] != batch or attention_mask.shape[1] < tokens:
+                raise ValueError(f"attention_mask must be a 2-D tensor [{batch}, >= {tokens}] (the cached tokens' "
+                                 f"padding mask), got {getattr(attention_mask, 'shape', type(attention_mask).__name__)}")
+            real = attention_mask[:, :tokens].to(device=device, dtype=torch.bool).sum(-1)
+        if position_ids is None:
+            positions = torch.full((batch, 1), tokens, dtype=torch.long, device=device)
+        elif not isinstance(position_ids, Tensor) or position_ids.dim() != 2 or \
+                position_ids.shape[0] not in (1, batch) or position_ids.shape[1] != 1:
+            raise ValueError(f"position_ids must be a tensor [{batch}, 1] (the next step's), got "
+                             f"{getattr(position_ids, 'shape', type(position_ids).__name__)}")
+        else:
+            positions = position_ids.expand(batch, 1)
+        rings = {(group.sink, group.window, group.capacity) for layer in layers for group in layer.groups
+                 if isinstance(group, _Ring)}
+        steps = DeviceSteps(tokens, real, positions, rings)
+        for layer in layers:
+            layer.device_steps = steps
+        return steps
+
+    def stop_device_steps(self) -> None:
+        """Back to host-driven decode steps (the host-side state is current: every step advanced it)."""
+        for layer in self.layers:
+            layer.device_steps = None
+
+    def replayed_step(self) -> None:
+        """Record one one-token step that ran without Python (a CUDA graph's replay): every layer's token count
+        advances by one, as the step's forward would have advanced it."""
+        for layer in self.layers:
+            layer.tokens += 1
+
+    def room(self) -> int | float:
+        """The most tokens per row the buffers hold without growing (the least of the layers')."""
+        return min((layer.room() for layer in self.layers), default=float("inf"))
 
     def memory_bytes(self) -> int:
         """Bytes held by every layer's key and value buffers (allocated capacity)."""

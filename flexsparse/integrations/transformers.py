@@ -31,6 +31,7 @@ from transformers.masking_utils import AttentionMaskInterface, causal_mask_funct
 from transformers.modeling_utils import AttentionInterface, PreTrainedModel
 
 from flexsparse.integrations.forward_mask import ForwardMask
+from flexsparse.integrations.graph_decode import GraphDecodeForward, decode_graphs_refusal_of
 from flexsparse.integrations.kv_cache import SparseKVCache
 from flexsparse.integrations.layer import RouterSettings, SparseAttentionLayer, sparse_layers
 from flexsparse.integrations.routing import (
@@ -296,7 +297,7 @@ def layer_heads(module: nn.Module) -> tuple[int, int, int]:
 def convert(model: PreTrainedModel, patterns: Mapping[str, Pattern] | Sequence[Mapping[str, Pattern]],
             modes: Sequence[Sequence[str | int]] | None = None, *, router: str | RouterFactory | None = None,
             router_options: Mapping | None = None, block_size: int = 128, backend: str = "auto",
-            plan: str = "auto") -> PreTrainedModel:
+            plan: str = "auto", decode_graphs: bool = False) -> PreTrainedModel:
     """Run ``model``'s attention through flexsparse, in place; returns the model.
 
     ``patterns``: name -> Pattern shared by every layer, or one such mapping per layer. ``modes``: one list per
@@ -322,7 +323,16 @@ def convert(model: PreTrainedModel, patterns: Mapping[str, Pattern] | Sequence[M
     the tensor-parallel size. Routers run there too: convert gives every rank the router weights of the group's
     first rank; a head router decides the rank's KV heads, a layer router gathers every head's pooled query
     states over the group, so each rank makes the single-process model's decisions for its heads.
+
+    ``decode_graphs``: ``generate()`` runs each decode step (one token over the SparseKVCache) as the replay of a
+    CUDA graph captured after two eager steps (:mod:`flexsparse.integrations.graph_decode`): the same kernels on
+    the same values, so the same greedy tokens, with far less host time per step at small batches. It needs every
+    layer's heads in at most two groups of full and token-exact SinkWindow heads (ValueError here otherwise: ESA
+    and other patterns, routers), and at generate() a CUDA device and a prompt without padding or left-padded
+    (ValueError naming why otherwise; beam search, which reorders the cache, is refused too).
     """
+    if not isinstance(decode_graphs, bool):
+        raise TypeError(f"decode_graphs must be a bool, got {type(decode_graphs).__name__}")
     register()
     layers = attention_layers(model)
     per_layer = _layer_patterns(patterns, len(layers))
@@ -371,6 +381,10 @@ def convert(model: PreTrainedModel, patterns: Mapping[str, Pattern] | Sequence[M
         from flexsparse.integrations.tensor_parallel import broadcast_routers
 
         broadcast_routers(states, group)  # every rank decides with the same weights
+    if decode_graphs:
+        refusal = decode_graphs_refusal_of(states)
+        if refusal is not None:
+            raise ValueError(f"decode_graphs=True: {refusal}")
     previous = getattr(model, "_flexsparse_previous_attention", None) or model.config._attn_implementation
     _detach(model)
     settings = RouterSettings()
@@ -384,6 +398,7 @@ def convert(model: PreTrainedModel, patterns: Mapping[str, Pattern] | Sequence[M
         raise ValueError(f"{type(model).__name__} does not let transformers set its attention implementation "
                          "(set_attn_implementation refused), so flexsparse cannot route its attention")
     model._flexsparse_previous_attention = previous
+    model._flexsparse_decode_graphs = decode_graphs
     installed = model.__dict__.get("generate")
     if not isinstance(installed, _GenerateWithSparseCache):
         model.generate = _GenerateWithSparseCache(model, installed)
@@ -397,6 +412,7 @@ def revert(model: PreTrainedModel) -> PreTrainedModel:
         raise ValueError("revert: the model was not converted by flexsparse.convert")
     _detach(model)
     previous = model.__dict__.pop("_flexsparse_previous_attention", None) or "sdpa"
+    model.__dict__.pop("_flexsparse_decode_graphs", None)
     installed = model.__dict__.pop("generate", None)
     if isinstance(installed, _GenerateWithSparseCache) and installed.previous is not None:
         model.generate = installed.previous
@@ -519,7 +535,9 @@ def _generation_length(call: Mapping, setting) -> int | None:
 
 class _GenerateWithSparseCache:
     """A converted model's ``generate``: transformers' own (or the instance's earlier override, ``previous``),
-    given the cache of :func:`sparse_generate_cache` as its cache argument."""
+    given the cache of :func:`sparse_generate_cache` as its cache argument. With ``convert(...,
+    decode_graphs=True)`` the model's forward is, for the call, a
+    :class:`~flexsparse.integrations.graph_decode.GraphDecodeForward`: its decode steps replay a CUDA graph."""
 
     def __init__(self, model: PreTrainedModel, previous=None) -> None:
         self.model = model
@@ -534,4 +552,22 @@ class _GenerateWithSparseCache:
                     del kwargs[name]
             kwargs[cache_argument(model)] = cache
         generate = self.previous if self.previous is not None else type(model).generate.__get__(model)
-        return generate(*args, **kwargs)
+        if not getattr(model, "_flexsparse_decode_graphs", False):
+            return generate(*args, **kwargs)
+        if cache is None:
+            cache = next((kwargs[name] for name in _CACHE_ARGUMENTS if kwargs.get(name) is not None), None)
+        if not isinstance(cache, SparseKVCache):
+            raise ValueError("the model was converted with decode_graphs=True, which replays decode steps over "
+                             f"flexsparse's SparseKVCache; this generate() call uses {type(cache).__name__} "
+                             "(use_cache=False, another cache or cache_implementation); convert without "
+                             "decode_graphs for it")
+        installed = model.__dict__.get("forward")
+        model.forward = GraphDecodeForward(model, cache, model.forward)
+        try:
+            return generate(*args, **kwargs)
+        finally:
+            model.forward.close()
+            if installed is None:
+                del model.forward
+            else:
+                model.forward = installed

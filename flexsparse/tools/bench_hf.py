@@ -6,7 +6,8 @@ window 2048 heads). Three measurements, every ratio from times taken in the same
 1. KV memory of the sparse cache at 128K against the all-full cache (the formula gives 3.81x);
 2. one layer's decode attention per step at 128K, batch 1 and 8: flexsparse's attention function with its sparse
    KV cache (cache write and one HybridAttention call per head group), against all-full SDPA over the whole cache
-   and the ideal hybrid (two SDPA calls on pre-split caches, no masks), timed in turns;
+   and the ideal hybrid (two SDPA calls on pre-split caches, no masks), timed in turns; on CUDA also the same
+   step replayed from a CUDA graph ("flexsparse_graph", the cache's device-side steps);
 3. end-to-end ``generate()`` on a Llama-shaped model built from its config (8 layers, hidden 4096, 32/8 heads,
    random weights) at 32K and 128K prompts: flexsparse (sparse KV cache) against the same model with sdpa and
    transformers' DynamicCache, as is and with cuDNN's SDPA disabled (on an H100 with torch 2.11 SDPA picks cuDNN,
@@ -155,8 +156,9 @@ def llama_from_config(cfg: HfBenchConfig, layers: int, intermediate: int, vocab:
 class DecodeSetup:
     """What the decode benchmark times: ``timed`` callables (one decode step each; the "flexsparse..." ones run
     ``layers`` layers: "flexsparse" the cache's default decode path, "flexsparse_per_group" or
-    "flexsparse_one_launch" the other one where it differs and runs) and the sparse cache's memory at ``seq``
-    tokens."""
+    "flexsparse_one_launch" the other one where it differs and runs, "flexsparse_graph" on CUDA the one-launch
+    step from the cache's device-side state, captured once in a CUDA graph and replayed) and the sparse cache's
+    memory at ``seq`` tokens."""
 
     batch: int
     seq: int
@@ -232,6 +234,7 @@ def decode_setup(cfg: HfBenchConfig, batch: int, layers: int = 1, padded: bool =
     caches = {"flexsparse": prefilled(seq + cfg.decode_extra, prefill_q)}  # the default; room for the timed steps
     if dev.type == "cuda":  # the default is the one-launch step: time the per-group calls beside it
         caches["flexsparse_per_group"] = prefilled(seq + cfg.decode_extra, prefill_q, one_launch=False)
+        caches["flexsparse_graph"] = prefilled(seq + cfg.decode_extra, prefill_q)  # the step replayed from a graph
     elif kernels_run_on(dev):  # the interpreter: the one-launch step beside the default per-group calls
         caches["flexsparse_one_launch"] = prefilled(seq + cfg.decode_extra, prefill_q, one_launch=True)
     del prefill_q
@@ -257,8 +260,39 @@ def decode_setup(cfg: HfBenchConfig, batch: int, layers: int = 1, padded: bool =
     ring_k = torch.cat([keys[:, full_heads:, :cfg.sink], keys[:, full_heads:, -cfg.window:]], 2).contiguous()
     ring_v = torch.cat([values[:, full_heads:, :cfg.sink], values[:, full_heads:, -cfg.window:]], 2).contiguous()
     sdpa = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # the flash kernel
+    def graph_step(cache: SparseKVCache):
+        """The same step (mask, ``layers`` layers of attention function + cache) from the cache's device-side
+        state, captured once in a CUDA graph; a call replays it."""
+        steps = cache.start_device_steps(real[:, :cache.get_seq_length(0)] if padded else None)
+
+        def record() -> None:
+            steps.begin_step()
+            mask = flexsparse_mask(batch, 1, cache.get_seq_length(0) + 1, device=dev)  # read by no device work
+            for index, module in enumerate(modules):
+                cache.update(k1, v1, index)
+                flexsparse_attention(module, q1, k1, v1, mask)
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: plans, compiled kernels
+            for _ in range(2):
+                record()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            record()
+        graph.replay()
+
+        def step():
+            if cache.get_seq_length(0) >= cache.room():
+                raise RuntimeError("the benchmark's cache is full: raise decode_extra")
+            graph.replay()
+            cache.replayed_step()
+        return step
+
     timed = {
-        **{name: decode_step(cache) for name, cache in caches.items()},
+        **{name: decode_step(cache) for name, cache in caches.items() if name != "flexsparse_graph"},
+        **({"flexsparse_graph": graph_step(caches["flexsparse_graph"])} if "flexsparse_graph" in caches else {}),
         "sdpa_all_full": lambda: sdpa(q1, keys, values),
         "sdpa_all_full_folded": lambda: F.scaled_dot_product_attention(folded_q, keys, values),
         "ideal_two_sdpa": lambda: (sdpa(q1[:, :full_q], full_k, full_v), sdpa(q1[:, full_q:], ring_k, ring_v)),
@@ -284,7 +318,7 @@ def bench_decode_layer(cfg: HfBenchConfig, batch: int, layers: int = 1, padded: 
         kv_bytes=setup.kv_bytes, kv_bytes_formula=setup.kv_bytes_formula, kv_bytes_all_full=setup.kv_bytes_all_full,
         kv_saved=setup.kv_bytes_all_full / setup.kv_bytes, first_step_error=setup.first_step_error,
     )
-    for path in ("per_group", "one_launch"):
+    for path in ("per_group", "one_launch", "graph"):
         if f"flexsparse_{path}" in ms:
             result[f"{path}_speedup_vs_sdpa"] = ms["sdpa_all_full"] / ms[f"flexsparse_{path}"]
     if dev.type == "cuda":  # GPU work alone (host overhead excluded): kernel time per call from the profiler
@@ -385,6 +419,8 @@ def run_hf_bench(cfg: HfBenchConfig | None = None, out_dir: str | Path = "bench/
     started = time.perf_counter()
     path = out / "hf-bench.json"
     if "decode" in cfg.parts:
+        if dev.type != "cuda":
+            log("decode: flexsparse_graph (the step replayed from a CUDA graph) skipped: it needs a CUDA device")
         cases = [(b, n, False) for b in cfg.decode_batches for n in cfg.decode_layers]
         for batch, layers, padded in cases + [(b, 1, True) for b in cfg.decode_padded_batches]:
             row = bench_decode_layer(cfg, batch, layers, padded)
@@ -420,6 +456,8 @@ def _decode_line(row: dict) -> str:
     if other is not None:  # the decode path that is not the default, timed beside it
         line += (f", {other.replace('_', '-')} {ms['flexsparse_' + other]:.3f} ms "
                  f"({row[other + '_speedup_vs_sdpa']:.2f}x)")
+    if "flexsparse_graph" in ms:
+        line += f", CUDA graph {ms['flexsparse_graph']:.3f} ms ({row['graph_speedup_vs_sdpa']:.2f}x)"
     if isinstance(kernel, dict):
         line += (f"; GPU kernels alone: flexsparse {kernel['flexsparse']:.3f} ms, SDPA {kernel['sdpa_all_full']:.3f} "
                  f"ms ({row['gpu_kernel_speedup_vs_sdpa']:.2f}x)")
