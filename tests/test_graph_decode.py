@@ -290,3 +290,28 @@ def test_gpu_graph_decoder_refuses_a_changed_cache():
             layer.groups[0].keys = layer.groups[0].keys.clone()
         with pytest.raises(ValueError, match="buffers changed since the decode graph was captured"):
             graphed.step(new[:, 3:4])
+
+
+kernel_test = pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRETED),
+                                 reason="the step-bounds kernel needs CUDA or the Triton interpreter")
+
+
+@kernel_test
+@pytest.mark.parametrize("rings", [[], [(4, 8, 12)], [(0, 5, 5), (64, 256, 320)]])
+def test_step_bounds_kernel_equals_the_pytorch_ops_over_many_steps(rings):
+    from flexsparse.integrations.kv_cache import DeviceSteps
+    from flexsparse.kernels.decode_steps import step_bounds_launch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    real = torch.tensor([40, 17, 0, 33, 40], device=device)  # left padding: 40 slots, rows with fewer real tokens
+    positions = (real - 1).clamp(min=0)[:, None] + 1
+    by_torch = DeviceSteps(40, real, positions, set(rings))
+    by_kernel = DeviceSteps(40, real, positions, set(rings))
+    launch = step_bounds_launch(len(real), len(rings))
+    table = torch.tensor(by_kernel.ring_params or [(0, 1, 0)], dtype=torch.long, device=device)
+    for _ in range(300):  # past every ring's wrap
+        by_torch.step_with_torch()
+        launch(by_kernel.tokens, by_kernel.real, by_kernel.next_positions, by_kernel._every, by_kernel._rings, table,
+               by_kernel.position_ids, by_kernel.cache_position)
+        for name in ("tokens", "real", "next_positions", "position_ids", "cache_position", "_every", "_rings"):
+            assert torch.equal(getattr(by_kernel, name), getattr(by_torch, name)), name

@@ -480,26 +480,38 @@ class DeviceSteps:
         device, batch = real.device, real.shape[0]
         self.tokens = torch.full((1,), tokens, dtype=torch.long, device=device)
         self.real = real.to(torch.long).clone()
-        self.next_positions = positions.to(device, torch.long).clone()
+        self.next_positions = positions.to(device, torch.long).contiguous().clone()
         self.position_ids = self.next_positions.clone()
         self.cache_position = self.tokens.clone()
+        self.ring_params = sorted(rings)  # (sink, window, capacity) per ring shape
+        self._every = torch.zeros(3, batch, dtype=torch.long, device=device)  # lo, hi, slot of "full" groups
+        self._rings = torch.zeros(max(1, len(self.ring_params)), 3, batch, dtype=torch.long, device=device)
+        self._ring_index = {key: r for r, key in enumerate(self.ring_params)}
+        self._launch = None
+        if kernels_preferred_on(device):  # one launch instead of a dozen tiny ops (flexsparse.kernels.decode_steps)
+            from flexsparse.kernels.decode_steps import step_bounds_launch  # triton: imported where it runs
 
-        def bounds() -> tuple[Tensor, Tensor, Tensor]:  # lo, hi, slot
-            return tuple(torch.zeros(batch, dtype=torch.long, device=device) for _ in range(3))
-
-        self._every = bounds()  # of "full" groups: the same for every capacity
-        self._rings = {key: bounds() for key in sorted(rings)}  # per (sink, window, capacity)
+            self._launch = step_bounds_launch(batch, len(self.ring_params))
+            self._ring_table = torch.tensor(self.ring_params or [(0, 1, 0)], dtype=torch.long, device=device)
 
     def begin_step(self) -> None:
         """This step's buffers from the counters, then the counters one token on (device work only: no host int
-        enters a tensor, no sync)."""
+        enters a tensor, no sync): one kernel on CUDA, PyTorch ops elsewhere."""
+        if self._launch is not None:
+            self._launch(self.tokens, self.real, self.next_positions, self._every, self._rings, self._ring_table,
+                         self.position_ids, self.cache_position)
+            return
+        self.step_with_torch()
+
+    def step_with_torch(self) -> None:
+        """:meth:`begin_step` as PyTorch ops (the path off CUDA; the kernel's reference)."""
         lo, hi, slot = self._every
         torch.sub(self.tokens, self.real, out=lo)  # a row's real tokens are its last slots (every slot: "none")
         hi.copy_(self.tokens + 1)
         slot.copy_(self.tokens)
-        for (sink, window, capacity), (_, ring_hi, ring_slot) in self._rings.items():  # ring lo stays 0
-            ring_slot.copy_(ring_slot_of(self.real, sink, window))  # the new token is real token number `real`
-            torch.clamp(self.real + 1, max=capacity, out=ring_hi)
+        for r, (sink, window, capacity) in enumerate(self.ring_params):  # ring lo stays 0
+            torch.clamp(self.real + 1, max=capacity, out=self._rings[r, 1])
+            self._rings[r, 2].copy_(ring_slot_of(self.real, sink, window))  # the new token is real token `real`
         self.position_ids.copy_(self.next_positions)
         self.cache_position.copy_(self.tokens)
         self.tokens += 1
@@ -509,10 +521,10 @@ class DeviceSteps:
     def group(self, group: _GroupCache) -> DecodeGroup:
         """The step's :class:`DecodeGroup` of one group's buffers (its bounds: static buffers of this state)."""
         if isinstance(group, _Ring):
-            bounds = self._rings[(group.sink, group.window, group.capacity)]
+            bounds = self._rings[self._ring_index[(group.sink, group.window, group.capacity)]]
         else:
             bounds = self._every
-        return DecodeGroup(group.keys, group.values, group.group.kv_heads[0], *bounds)
+        return DecodeGroup(group.keys, group.values, group.group.kv_heads[0], *bounds.unbind(0))
 
 
 class SparseKVLayer(CacheLayerMixin):
