@@ -6,8 +6,11 @@ Kernels: SDPA's ``flash``, ``cudnn`` and ``efficient`` backends, each alone (``s
 flexsparse calls them (``enable_gqa=True``, no K/V copy); a backend that refuses that call runs on K/V repeated to
 32 heads, the copy inside the timed call, marked ``repeat_kv`` and left out of the table. For reference:
 compiled flex_attention with flexsparse's closed-form causal BlockMask (``flex``), and flex with
-``kernel_options={"BACKEND": "FLASH"}`` (FlashAttention-4 in the CuTe DSL, ``flex-fa4``) where ``flash_attn.cute``
-imports (skipped otherwise: it needs flash-attn-4 and nvidia-cutlass-dsl).
+``kernel_options={"BACKEND": "FLASH"}`` (``flex-fa4``). FlashAttention-4 itself (``fa4``: ``flash_attn.cute``'s
+``flash_attn_func``, which :class:`~flexsparse.runtime.fa4_executor.Fa4Executor` runs) is measured and ranked in the
+table too. Both need the ``fast`` extra (flash-attn-4 and nvidia-cutlass-dsl) and are skipped without it; ``--site
+DIR`` adds a folder it was installed in with ``site.addsitedir`` (the CuTe DSL finds its ``cutlass`` module
+through a .pth file, which PYTHONPATH does not read).
 
 Time: median of CUDA-event-timed calls after one warm-up call (which builds cuDNN's graph and compiles flex), as
 many calls as fit ``--budget-s`` (3 to 25). TFLOP/s counts ``4 d`` FLOPs per attended (query, key) pair and query
@@ -17,8 +20,8 @@ forward's two). ``vs best``: time over the fastest kernel's at that (pass, lengt
     python bench/dense_kernels.py --out bench/results/dense_kernels.json --write-table   # an H100: ~2 minutes
     python bench/dense_kernels.py --device cpu --tiny                                    # CPU check, toy sizes
 
-(with this checkout first on PYTHONPATH). ``--write-table`` ranks the SDPA backends that ran the call natively by
-time at every (pass, length) and writes them with their TFLOP/s into the shipped table
+(with this checkout first on PYTHONPATH). ``--write-table`` ranks the SDPA backends and FlashAttention-4 that ran
+the call natively by time at every (pass, length) and writes them with their TFLOP/s into the shipped table
 (``flexsparse/runtime/data/dense_kernels.json``) under ``--device-key`` (default: the device name's model, such as
 ``H100``), replacing that key's rows and keeping other devices'; with a path it writes there instead (the only way
 from ``--tiny`` or the CPU).
@@ -29,6 +32,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import site
 import statistics
 import sys
 import time
@@ -43,6 +47,7 @@ from torch.nn.attention import sdpa_kernel
 from flexsparse.masks import Causal, Geometry
 from flexsparse.runtime.compiled import run_flex
 from flexsparse.runtime.dense_kernels import (
+    OTHER_KERNELS,
     PASSES,
     SDPA_BACKENDS,
     default_table_path,
@@ -52,9 +57,11 @@ from flexsparse.runtime.device_tables import write_device_entry
 
 FULL = {"heads": 32, "kv_heads": 8, "dim": 128, "lengths": [8192, 16384, 32768, 65536, 131072], "dtype": "bfloat16"}
 TINY = {"heads": 4, "kv_heads": 2, "dim": 32, "lengths": [128, 256], "dtype": "float32"}
-GPU_KERNELS = ["flash", "cudnn", "efficient", "flex", "flex-fa4"]
+GPU_KERNELS = ["flash", "cudnn", "efficient", "fa4", "flex", "flex-fa4"]
 CPU_KERNELS = ["flash", "math", "cudnn", "efficient", "flex"]
-KERNELS = [*SDPA_BACKENDS, "flex", "flex-fa4"]
+KERNELS = [*SDPA_BACKENDS, "fa4", "flex", "flex-fa4"]
+RANKED = (*SDPA_BACKENDS, *OTHER_KERNELS)
+"""The kernels the table ranks (each run by an executor)."""
 FORWARD_BACKWARD_FLOPS = 3.5
 BLOCK_SIZE = 128
 
@@ -102,13 +109,21 @@ def sdpa_attend(backend: str, repeat_kv: bool) -> Callable:
     return attend
 
 
+def fa4_attend(q, k, v):
+    """FlashAttention-4 as flexsparse's executor calls it: [B, H, S, d] views as [B, S, H, d], GQA native."""
+    from flash_attn.cute import flash_attn_func
+
+    out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
+    return (out[0] if isinstance(out, tuple) else out).transpose(1, 2)
+
+
 def flex_attend(heads: int, length: int, device: torch.device, kernel_options: dict | None) -> Callable:
     block_mask = Causal().block_mask(Geometry(heads, length, length, BLOCK_SIZE, device))
     return lambda q, k, v: run_flex(q, k, v, block_mask, q.shape[-1] ** -0.5, kernel_options)
 
 
 def fa4_missing() -> str | None:
-    """Why flex's FLASH backend cannot run here, or None."""
+    """Why FlashAttention-4 (directly or as flex's FLASH backend) cannot run here, or None."""
     try:
         if importlib.util.find_spec("flash_attn.cute") is None:
             return "flash_attn.cute not importable (needs flash-attn-4 and nvidia-cutlass-dsl)"
@@ -127,7 +142,7 @@ def measure(kernel: str, pass_name: str, length: int, shape: dict, device: torch
     row = {"kernel": kernel, "pass": pass_name, "length": length}
     dtype = getattr(torch, shape["dtype"])
     grad = pass_name == "forward_backward"
-    if kernel == "flex-fa4" and (reason := fa4_missing()):
+    if kernel in ("fa4", "flex-fa4") and (reason := fa4_missing()):
         return {**row, "skipped": reason}
     gen = torch.Generator(device=device).manual_seed(0)
     make = lambda h: torch.randn(1, h, length, shape["dim"], device=device, dtype=dtype, generator=gen)
@@ -136,6 +151,8 @@ def measure(kernel: str, pass_name: str, length: int, shape: dict, device: torch
     grad_out = torch.randn_like(q) if grad else None
     if kernel in SDPA_BACKENDS:
         ways = [("native", sdpa_attend(kernel, False)), ("repeat_kv", sdpa_attend(kernel, True))]
+    elif kernel == "fa4":
+        ways = [("native", fa4_attend)]
     else:
         options = {"BACKEND": "FLASH"} if kernel == "flex-fa4" else None
         ways = [("native", flex_attend(shape["heads"], length, device, options))]
@@ -191,14 +208,16 @@ def print_tables(rows: list[dict], kernels: list[str]) -> None:
 
 
 def table_entries(rows: list[dict]) -> list[dict]:
-    """The table's rows: SDPA backends that ran natively, fastest first, with their TFLOP/s."""
+    """The table's rows: the ranked kernels (SDPA backends, FlashAttention-4) that ran natively, fastest first,
+    with their TFLOP/s."""
     entries = []
     for pass_name in PASSES:
         for length in sorted({r["length"] for r in rows if r["pass"] == pass_name}):
             ran = sorted((r for r in rows if (r["pass"], r["length"]) == (pass_name, length)
-                          and r["kernel"] in SDPA_BACKENDS and r.get("gqa") == "native"), key=lambda r: r["ms"])
-            if all(r["kernel"] == "cudnn" for r in ran):
-                print(f"table: no row for ({pass_name}, {length}): no backend besides cudnn ran", file=sys.stderr)
+                          and r["kernel"] in RANKED and r.get("gqa") == "native"), key=lambda r: r["ms"])
+            if all(r["kernel"] == "cudnn" or r["kernel"] in OTHER_KERNELS for r in ran):
+                print(f"table: no row for ({pass_name}, {length}): no SDPA backend besides cudnn ran",
+                      file=sys.stderr)
                 continue
             entries.append({"pass": pass_name, "length": length, "backends": [r["kernel"] for r in ran],
                             "tflops": {r["kernel"]: float(f"{r['tflops']:.4g}") for r in ran}})
@@ -225,6 +244,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--write-table", nargs="?", type=Path, const=True, default=None, metavar="PATH",
                         help="write the ranking into the shipped table (or into PATH)")
     parser.add_argument("--device-key", help="the table's key for this device (default: the name's model)")
+    parser.add_argument("--site", help="a folder FlashAttention-4 is installed in (added with site.addsitedir)")
     args = parser.parse_args(argv)
     if args.device not in ("cuda", "cpu"):
         parser.error(f"--device must be cuda or cpu, got {args.device!r}")
@@ -241,6 +261,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.site:
+        site.addsitedir(args.site)
     device = torch.device(args.device)
     shape = dict(TINY if args.tiny else FULL)
     if args.lengths:

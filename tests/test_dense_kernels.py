@@ -73,9 +73,10 @@ def test_shipped_table_holds_the_h100_measurement_for_both_passes():
     kernels = table["H100"]
     assert kernels.dtype == torch.bfloat16
     for pass_name in PASSES:
-        assert kernels.lengths(pass_name) == [8192, 32768, 131072]
-    assert all(set(r.backends) <= set(SDPA_BACKENDS) for r in kernels.rankings.values())
-    assert all(r.backends[0] == "cudnn" for r in kernels.rankings.values())  # 1.7-1.9x flash on the H100
+        assert kernels.lengths(pass_name) == [8192, 16384, 32768, 65536, 131072]
+    assert all(set(r.backends) <= {*SDPA_BACKENDS, "fa4"} for r in kernels.rankings.values())
+    # FlashAttention-4 first (1.0-1.22x cuDNN), then cuDNN (1.7-2.1x flash on the H100)
+    assert all(r.backends[:2] == ("fa4", "cudnn") for r in kernels.rankings.values())
 
 
 def test_lookup_by_device_name_and_nearest_measured_length(table):
@@ -132,7 +133,8 @@ def test_backend_order_puts_the_choice_first_and_cudnn_only_when_chosen():
     (lambda d: d["devices"]["H100"].update(dtype="float99"), "'dtype' must name a torch dtype"),
     (lambda d: d["devices"]["H100"]["entries"][0].update({"pass": "backward"}), "'pass' must be one of"),
     (lambda d: d["devices"]["H100"]["entries"][0].update(length=0), "'length' must be a positive integer"),
-    (lambda d: d["devices"]["H100"]["entries"][0].update(backends=["fa4"]), "'backends' must be a non-empty"),
+    (lambda d: d["devices"]["H100"]["entries"][0].update(backends=["fa5"]), "'backends' must be a non-empty"),
+    (lambda d: d["devices"]["H100"]["entries"][0].update(backends=["fa4"], tflops={}), "one SDPA backend"),
     (lambda d: d["devices"]["H100"]["entries"][0].update(backends=["flash", "flash"]), "distinct"),
     (lambda d: d["devices"]["H100"]["entries"][0].update(backends=["cudnn"], tflops={}), "besides"),
     (lambda d: d["devices"]["H100"]["entries"][0].update(tflops={"math": 1.0}), "'tflops' must map"),

@@ -39,8 +39,9 @@ import torch
 from torch import Tensor, nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from flexsparse.eval.gates import GateOptions, attention_swapped, gate_scores
+from flexsparse.eval.gates import GateOptions, gate_scores
 from flexsparse.eval.head_search import SearchOptions, search_heads
+from flexsparse.eval.swapped_attention import attention_swapped
 from flexsparse.eval.tasks import passkey_prompt
 from flexsparse.eval.text import Corpus
 from flexsparse.integrations.serialization import save_config

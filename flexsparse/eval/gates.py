@@ -2,7 +2,8 @@
 
 :func:`gated` runs a transformers causal LM (not converted) with ``out = g full + (1 - g) sparse`` per KV head,
 ``g = sigmoid(logit)`` from a ``[L, H_kv]`` logits tensor, through an attention function registered in
-transformers' registry for the time of the call (:func:`attention_swapped`). :func:`gate_scores` trains the
+transformers' registry for the time of the call
+(:func:`~flexsparse.eval.swapped_attention.attention_swapped`). :func:`gate_scores` trains the
 logits (the model frozen) to keep the full model's last hidden states on real text and passkey prompts, with an L1
 penalty pulling every gate to 0: the ``gates`` selector of :mod:`flexsparse.eval.calibration`. Hard gates
 (logits of large magnitude) run a choice of full heads without converting the model
@@ -12,18 +13,17 @@ penalty pulling every gate to 0: the ``gates`` selector of :mod:`flexsparse.eval
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-from transformers.modeling_utils import AttentionInterface
 
 from flexsparse.attention import HybridAttention
+from flexsparse.eval.swapped_attention import attention_swapped
 from flexsparse.heads import per_query_head
-from flexsparse.integrations.transformers import attention_layers, is_converted, layer_heads
+from flexsparse.integrations.transformers import attention_layers, layer_heads
 from flexsparse.masks import Causal, Pattern
 from flexsparse.validation import as_float, as_int
 
@@ -40,37 +40,6 @@ class GateOptions:
     sparsity_weight: float = 0.05
     init_logit: float = 2.0
 
-
-# ----- running a model with a registered attention function ------------------------------------------------
-
-@contextlib.contextmanager
-def attention_swapped(model: nn.Module, name: str, attention: Callable, attribute: str,
-                      state: Callable[[int, nn.Module], object]) -> Iterator[list[nn.Module]]:
-    """Run ``model`` with ``attention`` registered as ``name`` in transformers' attention registry (SDPA's mask);
-    each attention module carries ``state(index, module)`` as ``attribute`` meanwhile. Restores the
-    implementation and removes the attributes; yields the attention modules."""
-    if is_converted(model):
-        raise ValueError("calibrate the model before converting it (flexsparse.revert(model) first)")
-    AttentionInterface.register(name, attention)
-    AttentionMaskInterface.register(name, sdpa_mask)
-    modules = [module for _, module in attention_layers(model)]
-    previous = model.config._attn_implementation
-    for index, module in enumerate(modules):
-        setattr(module, attribute, state(index, module))
-    try:
-        model.set_attn_implementation(name)
-        if model.config._attn_implementation != name:
-            raise ValueError(f"{type(model).__name__} refused set_attn_implementation({name!r}); calibration needs "
-                             "a model whose attention goes through transformers' registry")
-        yield modules
-    finally:
-        model.set_attn_implementation(previous)
-        for module in modules:
-            if hasattr(module, attribute):
-                delattr(module, attribute)
-
-
-# ----- gates ------------------------------------------------------------------------------------------------
 
 def _gated_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask,
                      scaling: float | None = None, dropout: float = 0.0, **kwargs):

@@ -30,11 +30,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-from transformers.modeling_utils import AttentionInterface
 
+from flexsparse.eval.swapped_attention import attention_swapped
 from flexsparse.eval.text import Corpus
-from flexsparse.integrations.transformers import attention_layers, convert, is_converted, layer_heads
+from flexsparse.integrations.transformers import attention_layers, convert, layer_heads
 from flexsparse.kernels.xa_estimate import antidiagonal_block_mass
 from flexsparse.masks import XAttention
 from flexsparse.masks.xa_selection import select_blocks
@@ -127,31 +126,13 @@ def capture_qk(model: nn.Module, record: Callable[[int, Tensor, Tensor, float], 
     """Meanwhile every forward of ``model`` calls ``record(layer, q, k, scaling)`` in each attention layer,
     with q ``[B, H_q, S, d]`` after RoPE, k ``[B, H_kv, S, d]`` and the layer's softmax scaling; the model's
     outputs are unchanged (its own SDPA attention). Restores the attention implementation afterwards."""
-    if is_converted(model):
-        raise ValueError("capture q/k of an unconverted model (flexsparse.revert(model) first)")
-    AttentionInterface.register(CAPTURE_NAME, _capture_attention)
-    AttentionMaskInterface.register(CAPTURE_NAME, sdpa_mask)
-    modules = [module for _, module in attention_layers(model)]
-    previous = model.config._attn_implementation
-    for index, module in enumerate(modules):
-        dim = layer_heads(module)[2]
-        default = dim**-0.5
 
-        def hand(query, key, scaling, index=index, default=default):
-            record(index, query, key, default if scaling is None else float(scaling))
+    def hand_to_record(index: int, module: nn.Module):
+        default = layer_heads(module)[2] ** -0.5
+        return lambda query, key, scaling: record(index, query, key, default if scaling is None else float(scaling))
 
-        module.flexsparse_qk_capture = hand
-    try:
-        model.set_attn_implementation(CAPTURE_NAME)
-        if model.config._attn_implementation != CAPTURE_NAME:
-            raise ValueError(f"{type(model).__name__} refused set_attn_implementation({CAPTURE_NAME!r}); "
-                             "capturing needs a model whose attention goes through transformers' registry")
+    with attention_swapped(model, CAPTURE_NAME, _capture_attention, "flexsparse_qk_capture", hand_to_record):
         yield
-    finally:
-        model.set_attn_implementation(previous)
-        for module in modules:
-            if hasattr(module, "flexsparse_qk_capture"):
-                del module.flexsparse_qk_capture
 
 
 # ----- calibration ------------------------------------------------------------------------------------------

@@ -1,10 +1,15 @@
-"""Which of SDPA's backends runs full causal heads on a device: a measured per-device table.
+"""Which dense kernel runs full causal heads on a device: a measured per-device table.
 
-``bench/dense_kernels.py`` times SDPA's backends (flash, cuDNN, memory-efficient) on causal GQA attention at
-lengths 8K to 128K, forward and forward+backward, and writes the ranking it measured into
+``bench/dense_kernels.py`` times SDPA's backends (flash, cuDNN, memory-efficient) and FlashAttention-4
+(``fa4``, where installed: the ``fast`` extra) on causal GQA attention at lengths 8K to 128K, forward and
+forward+backward, and writes the ranking it measured into
 ``flexsparse/runtime/data/dense_kernels.json`` (shipped in the package), keyed by a substring of the CUDA device
 name (``"H100"`` matches ``"NVIDIA H100 80GB HBM3"``; the longest matching key wins). :data:`DENSE_KERNEL_TABLE`
 holds it, loaded at import.
+
+SDPA's executor runs the fastest SDPA backend of a row (:func:`dense_kernel`); FlashAttention-4's executor
+(:mod:`flexsparse.runtime.fa4_executor`) prices its work at its own row throughput (:func:`kernel_rate`), so the
+planner gives full heads to it where it measured faster and it is installed.
 
 Rules (:func:`dense_kernel`):
 
@@ -49,6 +54,9 @@ SDPA_BACKENDS: dict[str, SDPBackend] = {
     "math": SDPBackend.MATH,
 }
 """The table's names of SDPA's backends."""
+
+OTHER_KERNELS = ("fa4",)
+"""Kernels the table ranks besides SDPA's backends, each run by its own executor."""
 
 GRAPH_BUILDING_BACKENDS = ("cudnn",)
 """Backends that build an execution graph per new shape: only run at bucketed lengths."""
@@ -121,11 +129,12 @@ def device_kernels_from_json(entry: object, where: str = "device entry") -> Devi
         if not isinstance(length, int) or isinstance(length, bool) or length < 1:
             raise ValueError(f"dense kernel table {at}: 'length' must be a positive integer, got {length!r}")
         if (not isinstance(backends, list) or not backends
-                or any(b not in SDPA_BACKENDS for b in backends) or len(set(backends)) != len(backends)):
+                or any(b not in (*SDPA_BACKENDS, *OTHER_KERNELS) for b in backends)
+                or len(set(backends)) != len(backends)):
             raise ValueError(f"dense kernel table {at}: 'backends' must be a non-empty list of distinct names "
-                             f"from {tuple(SDPA_BACKENDS)}, got {backends!r}")
-        if all(b in GRAPH_BUILDING_BACKENDS for b in backends):
-            raise ValueError(f"dense kernel table {at}: 'backends' needs one backend besides "
+                             f"from {(*SDPA_BACKENDS, *OTHER_KERNELS)}, got {backends!r}")
+        if all(b in GRAPH_BUILDING_BACKENDS or b in OTHER_KERNELS for b in backends):
+            raise ValueError(f"dense kernel table {at}: 'backends' needs one SDPA backend besides "
                              f"{GRAPH_BUILDING_BACKENDS} (for lengths off the bucket grid), got {backends!r}")
         if not isinstance(tflops, dict) or any(
                 b not in backends or not isinstance(t, (int, float)) or not t > 0 for b, t in tflops.items()):
@@ -150,11 +159,9 @@ def device_kernels(device: torch.device) -> DeviceKernels | None:
     return entry_for_name(DENSE_KERNEL_TABLE, cuda_device_name(device_index(device)))
 
 
-def dense_kernel(device: torch.device, q_len: int, kv_len: int, grad: bool, *, dtype: torch.dtype = torch.bfloat16,
-                 block_size: int = 128) -> DenseKernel | None:
-    """The backend the table picks for causal attention of ``q_len`` queries against ``kv_len`` keys (the last
-    positions) on ``device``, or None: SDPA's own choice (see the module docstring for the rules). ``grad``: the
-    call runs a backward too; ``block_size``: the layer's tile, whose grid says which lengths are bucketed."""
+def _ranking(device: torch.device, q_len: int, kv_len: int, grad: bool,
+             dtype: torch.dtype) -> DenseKernelRanking | None:
+    """The table's row for a causal prefill call (nearest measured length), or None (see the module docstring)."""
     if q_len != kv_len:
         return None
     kernels = device_kernels(device)
@@ -165,11 +172,31 @@ def dense_kernel(device: torch.device, q_len: int, kv_len: int, grad: bool, *, d
     if not lengths:
         return None
     nearest = min(lengths, key=lambda length: abs(math.log2(length) - math.log2(kv_len)))
-    ranking = kernels.rankings[pass_name, nearest]
+    return kernels.rankings[pass_name, nearest]
+
+
+def dense_kernel(device: torch.device, q_len: int, kv_len: int, grad: bool, *, dtype: torch.dtype = torch.bfloat16,
+                 block_size: int = 128) -> DenseKernel | None:
+    """The SDPA backend the table picks for causal attention of ``q_len`` queries against ``kv_len`` keys (the
+    last positions) on ``device``, or None: SDPA's own choice (see the module docstring for the rules). ``grad``:
+    the call runs a backward too; ``block_size``: the layer's tile, whose grid says which lengths are bucketed."""
+    ranking = _ranking(device, q_len, kv_len, grad, dtype)
+    if ranking is None:
+        return None
     bucketed = is_kv_bucket(kv_len, block_size)
-    backend = next(b for b in ranking.backends if bucketed or b not in GRAPH_BUILDING_BACKENDS)
+    backend = next(b for b in ranking.backends
+                   if b in SDPA_BACKENDS and (bucketed or b not in GRAPH_BUILDING_BACKENDS))
     tflops = ranking.tflops.get(backend)
     return DenseKernel(backend, tflops * 1e12 if tflops is not None else None)
+
+
+def kernel_rate(kernel: str, device: torch.device, q_len: int, kv_len: int, grad: bool, *,
+                dtype: torch.dtype = torch.bfloat16) -> float | None:
+    """The throughput (FLOP/s, the table's count) measured for ``kernel`` (a name of :data:`OTHER_KERNELS` or
+    :data:`SDPA_BACKENDS`) on causal prefill of this size on ``device``; None where the table has none."""
+    ranking = _ranking(device, q_len, kv_len, grad, dtype)
+    tflops = None if ranking is None else ranking.tflops.get(kernel)
+    return tflops * 1e12 if tflops is not None else None
 
 
 def dense_backend(device: torch.device, q_len: int, kv_len: int, grad: bool, *,
