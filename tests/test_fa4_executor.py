@@ -136,3 +136,28 @@ def test_gpu_fa4_matches_sdpa_forward_and_backward():
     for name, a, b, tol in zip(("out", "dq", "dk", "dv"), results[0], results[1], (3e-2, 6e-2, 6e-2, 6e-2)):
         scale = b.abs().max().item()
         assert (a.double() - b.double()).abs().max().item() <= tol * max(scale, 1.0), name
+
+
+@pytest.mark.gpu
+def test_gpu_hybrid_on_fa4_and_flex_flash_matches_the_default_layer():
+    """The fastest hybrid layer measured (full heads on FlashAttention-4, sink+window heads on flex's FLASH
+    backend) gives the default layer's outputs and gradients (bf16, 8K)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    if fa4_executor.fa4_attention() is None:
+        pytest.skip("FlashAttention-4 is not installed (the fast extra)")
+    from flexsparse import HybridAttention
+
+    patterns, modes = {"full": Causal(), "ssa": SinkWindow(128, 2048)}, ["full"] * 2 + ["ssa"] * 6
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    make = lambda h: torch.randn(1, h, 8192, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    q, k, v = make(32).requires_grad_(), make(8).requires_grad_(), make(8).requires_grad_()
+    grad_out = torch.randn_like(q)
+    results = []
+    for options in ({"BACKEND": "FLASH"}, None):
+        layer = HybridAttention(32, 8, 128, patterns, modes, backend="flex", plan="split", kernel_options=options)
+        out = layer(q, k, v)
+        results.append((out.detach(), *torch.autograd.grad(out, (q, k, v), grad_out)))
+    for name, a, b, tol in zip(("out", "dq", "dk", "dv"), results[0], results[1], (3e-2, 6e-2, 6e-2, 6e-2)):
+        scale = b.abs().max().item()
+        assert (a.double() - b.double()).abs().max().item() <= tol * max(scale, 1.0), name
