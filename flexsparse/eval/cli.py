@@ -49,12 +49,16 @@ def _gate_options(steps: int):
     return GateOptions(steps=steps)
 
 
-def _search_options(length: int | None):
+def _search_options(length: int | None, cuda: bool):
+    """The search selector's options: on the CPU one text window and one passkey prompt (every tried choice is a
+    forward of them: minutes for the default model)."""
     from flexsparse.eval.head_search import SearchOptions
 
     if length is not None:
         _positive("--search-length", length)
-    return SearchOptions(text_length=length)
+    if cuda:
+        return SearchOptions(text_length=length)
+    return SearchOptions(text_length=length, text_windows=1, passkey_prompts=1)
 
 
 def run_eval(args: argparse.Namespace) -> int:
@@ -96,7 +100,8 @@ def run_eval(args: argparse.Namespace) -> int:
              batch_tokens=args.batch_tokens, calibration_length=args.calibration_length or min(2048, max(lengths)),
              calibration_samples=args.calibration_samples or (8 if cuda else 2),
              gates=_gate_options(args.gate_steps or (200 if cuda else 10)),
-             search=_search_options(args.search_length), seed=args.seed, progress=not args.quiet, on_record=keep)
+             search=_search_options(args.search_length, cuda), seed=args.seed, progress=not args.quiet,
+             on_record=keep)
     final = with_ratios(records)
     print(format_table(final))
     print(f"wrote {write_records(final, out / RESULTS_FILE)}")
@@ -124,7 +129,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
     result = calibrate(loaded.model, loaded.tokenizer, method=args.method, budget=args.budget,
                        per_layer=not args.global_budget, sparse=sparse, corpus=corpus, length=length,
                        samples=samples, gates=_gate_options(args.gate_steps or (200 if cuda else 10)),
-                       search=_search_options(args.search_length), seed=args.seed, progress=not args.quiet)
+                       search=_search_options(args.search_length, cuda), seed=args.seed,
+                       progress=not args.quiet)
     for layer, (modes, scores) in enumerate(zip(result.modes, result.scores.tolist())):
         cells = "  ".join(f"{m:<6} {s:8.4g}" for m, s in zip(modes, scores))
         print(f"layer {layer:3d}: {cells}")
