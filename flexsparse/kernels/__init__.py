@@ -2,9 +2,10 @@
 
 * ESA's gather attention: ``esa.py`` (the entry, :func:`~flexsparse.kernels.esa.esa_attention`, and its autograd
   Function), ``esa_launch.py`` (block sizes, tuned settings, launchers), the Triton kernels ``esa_forward.py``,
-  ``esa_decode.py``, ``esa_backward.py`` on ``esa_shared.py`` and ``esa_index_triton.py``; ``esa_index.py`` (the
-  index parameters the kernels take, :class:`~flexsparse.kernels.esa_index.EsaIndexRule`) and
-  ``esa_reference.py`` (the reference and the argument checks) import no triton;
+  ``esa_decode.py``, ``esa_backward.py`` (dQ), ``esa_dkdv.py`` (dK/dV and its work list) on ``esa_shared.py`` and
+  ``esa_index_triton.py``; ``esa_index.py`` (the index parameters the kernels take,
+  :class:`~flexsparse.kernels.esa_index.EsaIndexRule`) and ``esa_reference.py`` (the reference and the argument
+  checks) import no triton;
 * decode attention over KV caches: ``decode.py`` (the entries and the plan cache), ``decode_launch.py`` (plans),
   ``decode_kernels.py`` (the split and combine kernels), ``decode_reference.py`` (the references, the checks and
   ``DecodeGroup``; no triton);

@@ -9,8 +9,9 @@ import torch
 import triton
 from torch import Tensor
 
-from flexsparse.kernels.esa_backward import esa_backward_dkdv_kernel, esa_backward_dq_kernel
+from flexsparse.kernels.esa_backward import esa_backward_dq_kernel
 from flexsparse.kernels.esa_decode import esa_decode_kernel
+from flexsparse.kernels.esa_dkdv import esa_dkdv_count_kernel, esa_dkdv_fill_kernel, esa_dkdv_kernel
 from flexsparse.kernels.esa_forward import esa_forward_kernel
 
 BLOCK_QUERIES = 16
@@ -22,8 +23,10 @@ DECODE_MAX_QUERIES = BLOCK_QUERIES - 1
 KERNEL_CONFIG = {
     "forward_stages": 2,  # cp.async stages of the forward's key tiles (one warp per program)
     "forward_split": False,  # P enters P @ V as two 16-bit parts (False: rounded once, as dense bf16 attention)
-    "dkdv_warps": 2,  # 2: no spills in the loop, fewest instructions per query block (SASS)
-    "dkdv_queries": 16,
+    "dkdv_warps": 1,  # one warp: P and dS stay in its registers between dots (SASS: docs/notes/esa-kernel.md)
+    "dkdv_queries": 16,  # rows per work entry (BQ)
+    "dkdv_stages": 3,  # cp.async stages of the work loop's query and dO rows
+    "dkdv_split": False,  # P and dS enter P dO and dS Q as two 16-bit parts (False: rounded once, as dense bf16)
     "decode_warps": 4,
 }
 """Launch settings, chosen by H100 measurements and the compiler's SASS: docs/notes/esa-kernel.md."""
@@ -127,22 +130,55 @@ def launch_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
                   LAYER_DEN=launch.layer_den, D=dim,
                   HAS_POSITIONS=launch.sorted_pos is not None, HAS_SLOTS=launch.key_slots is not None,
                   PRECISION=launch.precision, SPLIT=launch.split)
-    offsets = _row_offset_kinds(k, v)
+    row_kinds = _row_offset_kinds(k, v)
     esa_backward_dq_kernel[(triton.cdiv(q_len, BLOCK_QUERIES), programs)](
         q, k, v, out, do, dq, lse, delta, sorted_pos, order, slots, *_strides(q), *_strides(k), *_strides(v),
         *_strides(out), *_strides(do), *_strides(dq), stride_pos, stride_slots, *launch.rule_args(), launch.scale,
         HEADS=per_program, BM=BLOCK_QUERIES, STEP_ONE=launch.step_one,
-        num_warps=per_program, **offsets, **common)
+        num_warps=per_program, **row_kinds, **common)
     if not need_dkdv:
         return dq, None, None
     # without key_slots every slot is some key position's and gets written; with them, unused slots stay 0
     make = torch.empty if launch.key_slots is None else torch.zeros
     dk = make(k.shape, dtype=k.dtype, device=k.device)
     dv = make(v.shape, dtype=v.dtype, device=v.device)
-    esa_backward_dkdv_kernel[(triton.cdiv(launch.span, BLOCK_KEYS), batch * kv_heads)](
-        q, k, v, do, dk, dv, lse, delta, sorted_pos, order, slots, *_strides(q), *_strides(k), *_strides(v),
-        *_strides(do), *_strides(dk), *_strides(dv), stride_pos, stride_slots, *launch.rule_args(), launch.scale,
-        max(q_len, 1).bit_length(), WIDE=_wide_rows(q, do), W_POW2=triton.next_power_of_2(launch.attn_length),
+    grid = (triton.cdiv(launch.span, BLOCK_KEYS), batch * kv_heads)
+    offsets, work = _dkdv_work(launch, grid, heads, lse.device, common)
+    esa_dkdv_kernel[grid](
+        q, k, v, do, dk, dv, lse, delta, sorted_pos, order, slots, offsets, work, *_strides(q), *_strides(k),
+        *_strides(v), *_strides(do), *_strides(dk), *_strides(dv), stride_pos, stride_slots, *launch.rule_args(),
+        launch.scale, WIDE=_wide_rows(q, do), W_POW2=triton.next_power_of_2(launch.attn_length),
         GROUP_POW2=triton.next_power_of_2(launch.group), BN=BLOCK_KEYS, BQ=KERNEL_CONFIG["dkdv_queries"],
-        num_warps=KERNEL_CONFIG["dkdv_warps"], **common)
+        STAGES=KERNEL_CONFIG["dkdv_stages"], num_warps=KERNEL_CONFIG["dkdv_warps"],
+        num_stages=KERNEL_CONFIG["dkdv_stages"],
+        **{**common, "SPLIT": launch.split and KERNEL_CONFIG["dkdv_split"]})
     return dq, dk, dv
+
+
+def _dkdv_work(launch: EsaLaunch, grid: tuple[int, int], heads: int, device: torch.device,
+               common: dict) -> tuple[Tensor, Tensor]:
+    """(offsets int64 [programs + 1], work entries) of the dK/dV programs (:mod:`flexsparse.kernels.esa_dkdv`).
+
+    The entries' buffer is sized by a bound, not by the count (reading it would sync the host): per (batch, KV
+    head, head of the group, slot), the runs of all key blocks hold at most ``q_len`` rows in at most
+    ``min(blocks, q_len)`` runs, so at most ``cdiv(q_len, BQ) + min(blocks, q_len)`` chunks."""
+    rows_per_chunk = KERNEL_CONFIG["dkdv_queries"]
+    group_pow2 = triton.next_power_of_2(launch.group)
+    w_pow2 = triton.next_power_of_2(launch.attn_length)
+    lanes = group_pow2 * w_pow2
+    blocks, pairs = grid
+    bound = pairs * launch.group * launch.attn_length * (
+        triton.cdiv(launch.q_len, rows_per_chunk) + min(blocks, launch.q_len))
+    wide = (launch.q_len + rows_per_chunk) * lanes >= 2**31
+    work = torch.empty(max(bound, 1), dtype=torch.int64 if wide else torch.int32, device=device)
+    offsets = torch.zeros(blocks * pairs + 1, dtype=torch.int64, device=device)
+    sorted_pos, _, _, stride_pos, _ = launch.position_args(device)
+    args = (sorted_pos, stride_pos, launch.q_len, launch.span, launch.first_pos, launch.layer_weight,
+            launch.head_offset, max(launch.q_len, 1).bit_length())
+    sizes = dict(NUM_HEADS=heads, PATTERN_HEADS=launch.num_heads, GROUP=launch.group, W=launch.attn_length,
+                 LAYER_DEN=launch.layer_den, GROUP_POW2=group_pow2, W_POW2=w_pow2, BN=BLOCK_KEYS,
+                 BQ=rows_per_chunk, HAS_POSITIONS=common["HAS_POSITIONS"], num_warps=4)
+    esa_dkdv_count_kernel[grid](offsets, *args, **sizes)
+    torch.cumsum(offsets, 0, out=offsets)
+    esa_dkdv_fill_kernel[grid](offsets, work, *args, **sizes)
+    return offsets, work
