@@ -5,9 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
+from flexsparse.masks import Causal, SinkWindow
+
 transformers = pytest.importorskip("transformers")
 
 VOCAB, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 96, 3, 4, 2, 16
+
+PATTERNS = {"full": Causal(), "ssa": SinkWindow(2, 6), "ssa2": SinkWindow(0, 5)}
+"""Patterns to convert the tiny models with: full heads and two sink+window rings (8 and 5 slots)."""
+MIXED = [["full", "ssa"], ["ssa2", "ssa2"], ["ssa", "full"]]
+"""Modes [LAYERS][KV_HEADS] over PATTERNS: full + ring, two rings, ring + full."""
 
 
 def tiny_config(kind: str, **overrides):

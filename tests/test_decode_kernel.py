@@ -8,10 +8,11 @@ sync) are marked ``gpu``.
 """
 
 import dataclasses
-import os
 
 import pytest
 import torch
+
+from tests.kernel_markers import CUDA, DEVICE, INTERPRETED, kernel_test
 
 pytest.importorskip("triton")
 
@@ -23,10 +24,6 @@ from flexsparse.kernels.decode_reference import (  # noqa: E402
     ranged_decode_reference,
 )
 
-CUDA = torch.cuda.is_available()
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cuda" if CUDA else "cpu"
-kernel_test = pytest.mark.skipif(not (CUDA or INTERPRETED), reason="needs CUDA or TRITON_INTERPRET=1")
 FP32_ATOL, FP16_ATOL = 1e-5, 2e-3
 
 

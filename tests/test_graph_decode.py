@@ -9,16 +9,16 @@ int a graph would bake in. GPU tests (marked ``gpu``) capture real graphs: greed
 decode graphs, and a replay's host syncs.
 """
 
-import os
-
 import pytest
 import torch
 
 from flexsparse.integrations import SparseKVCache, convert
 from flexsparse.integrations.graph_decode import GraphDecodeForward, GraphDecoder
-from flexsparse.masks import ESA, Causal, SinkWindow
+from flexsparse.masks import ESA
 from tests.hf_util import (
     LAYERS,
+    MIXED,
+    PATTERNS,
     VOCAB,
     greedy,
     left_padded,
@@ -27,13 +27,8 @@ from tests.hf_util import (
     tiny_model,
     transformers,
 )
+from tests.kernel_markers import DEVICE, kernel_test, needs_interpreter
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="the one-launch step on CPU tensors needs the Triton "
-                                       "interpreter (the root conftest turns it on where there is no CUDA)")
-
-PATTERNS = {"full": Causal(), "ssa": SinkWindow(2, 6), "ssa2": SinkWindow(0, 5)}
-MIXED = [["full", "ssa"], ["ssa2", "ssa2"], ["ssa", "full"]]  # full + ring, two rings, ring + full
 PROMPT, STEPS = 9, 10  # the rings (8 and 5 slots) wrap during the steps
 
 
@@ -292,23 +287,18 @@ def test_gpu_graph_decoder_refuses_a_changed_cache():
             graphed.step(new[:, 3:4])
 
 
-kernel_test = pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRETED),
-                                 reason="the step-bounds kernel needs CUDA or the Triton interpreter")
-
-
 @kernel_test
 @pytest.mark.parametrize("rings", [[], [(4, 8, 12)], [(0, 5, 5), (64, 256, 320)]])
 def test_step_bounds_kernel_equals_the_pytorch_ops_over_many_steps(rings):
     from flexsparse.integrations.kv_cache import DeviceSteps
     from flexsparse.kernels.decode_steps import step_bounds_launch
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    real = torch.tensor([40, 17, 0, 33, 40], device=device)  # left padding: 40 slots, rows with fewer real tokens
+    real = torch.tensor([40, 17, 0, 33, 40], device=DEVICE)  # left padding: 40 slots, rows with fewer real tokens
     positions = (real - 1).clamp(min=0)[:, None] + 1
     by_torch = DeviceSteps(40, real, positions, set(rings))
     by_kernel = DeviceSteps(40, real, positions, set(rings))
     launch = step_bounds_launch(len(real), len(rings))
-    table = torch.tensor(by_kernel.ring_params or [(0, 1, 0)], dtype=torch.long, device=device)
+    table = torch.tensor(by_kernel.ring_params or [(0, 1, 0)], dtype=torch.long, device=DEVICE)
     for _ in range(300):  # past every ring's wrap
         by_torch.step_with_torch()
         launch(by_kernel.tokens, by_kernel.real, by_kernel.next_positions, by_kernel._every, by_kernel._rings, table,

@@ -1,8 +1,6 @@
 """flexsparse's sparse KV cache: ring slots against a step-by-step simulation, memory against the formula and
 DynamicCache, buffer capacities, chunked prefill, right padding, growth, errors (tiny random Llama, fp32, CPU)."""
 
-import os
-
 import pytest
 import torch
 
@@ -15,6 +13,8 @@ from tests.hf_util import (
     HEAD_DIM,
     KV_HEADS,
     LAYERS,
+    MIXED,
+    PATTERNS,
     greedy,
     left_padded,
     one_thread,  # noqa: F401  (autouse fixture)
@@ -22,13 +22,7 @@ from tests.hf_util import (
     tiny_model,
     transformers,
 )
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="the one-launch step on CPU tensors needs the Triton "
-                                       "interpreter (the root conftest turns it on where there is no CUDA)")
-
-PATTERNS = {"full": Causal(), "ssa": SinkWindow(2, 6), "ssa2": SinkWindow(0, 5)}
-MIXED = [["full", "ssa"], ["ssa2", "ssa2"], ["ssa", "full"]]
+from tests.kernel_markers import needs_interpreter
 
 
 @pytest.mark.parametrize("sink, window", [(0, 1), (0, 4), (2, 3), (3, 5), (4, 1)])

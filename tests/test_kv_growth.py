@@ -3,8 +3,6 @@ against transformers' DynamicCache for full heads beside ESA, XAttention and Tri
 equal to a DynamicCache's (and to recompute where a pattern's decode is one) across capacity changes (tiny random
 Llama, fp32, CPU; the Triton kernels in the interpreter where a test says so)."""
 
-import os
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -25,8 +23,7 @@ from tests.hf_util import (
     tiny_model,
     transformers,
 )
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+from tests.kernel_markers import needs_interpreter
 
 KEEP_PATTERNS = {"esa": ESA(1, 3, 5, 4), "tm": TriangleMix(sink=2, window=6, last_q=3),
                  "xa": XAttention(threshold=0.9, stride=4, block_size=16)}
@@ -227,7 +224,7 @@ def test_greedy_generation_across_growth(kind):
         assert torch.equal(tokens, greedy(model, ids, mask, 30, use_cache=False))
 
 
-@pytest.mark.skipif(not INTERPRETED, reason="the one-launch step on CPU tensors needs the Triton interpreter")
+@needs_interpreter
 @pytest.mark.parametrize("kind", ["tm", "xa"])
 def test_one_launch_decode_serves_full_and_full_decoding_heads(kind, monkeypatch):
     """TriangleMix and XAttention heads share the full heads' buffer, so a layer of them and full heads (and a

@@ -4,20 +4,15 @@ On CPU it runs under the Triton interpreter (every call through Triton's own lau
 counts Triton's launch path: the first aligned call only, then the compiled kernel directly; a misaligned tensor
 goes through Triton again."""
 
-import os
-
 import pytest
 import torch
+
+from tests.kernel_markers import DEVICE, INTERPRETED, kernel_test
 
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
 from flexsparse.kernels.launch import CompiledLaunch  # noqa: E402
-
-CUDA = torch.cuda.is_available()
-kernel_test = pytest.mark.skipif(not (CUDA or os.environ.get("TRITON_INTERPRET") == "1"),
-                                 reason="needs CUDA or TRITON_INTERPRET=1")
-DEVICE = "cuda" if CUDA else "cpu"
 
 
 @triton.jit
@@ -42,7 +37,7 @@ def test_launches_equal_the_kernel_call():
 
 
 def test_refuses_kernels_it_cannot_hold_fixed():
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if INTERPRETED:
         pytest.skip("the interpreter's kernels do not describe their parameters: nothing is checked")
     with pytest.raises(ValueError, match="constexpr parameters must come after"):
         CompiledLaunch(_constexpr_first, (1,), (), dict(BLOCK=16), {})

@@ -19,11 +19,9 @@ from flexsparse.routers import (
     gather_pool,
     relaxed_decisions,
 )
+from tests.kernel_markers import CUDA, DEVICE
 
 pytestmark = pytest.mark.usefixtures("triton_interpreter_scalars")  # the CPU runs: conftest.py
-
-CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if CUDA else "cpu"
 
 
 def make_router(kind, dim, pool, seed=0, std=0.3, **kwargs):

@@ -29,6 +29,7 @@ from flexsparse.masks import ESA, Causal, SinkWindow, TriangleMix
 from tests.hf_util import (
     KV_HEADS,
     LAYERS,
+    PATTERNS,
     greedy,
     kv_tensor_bytes,
     left_padded,
@@ -40,7 +41,6 @@ from tests.hf_util import (
 )
 
 MODELS = ["llama", "qwen3", "mistral"]
-PATTERNS = {"full": Causal(), "ssa": SinkWindow(2, 6), "ssa2": SinkWindow(0, 5)}
 ALL_FULL = [["full"] * KV_HEADS] * LAYERS
 MIXED = [["full", "ssa"], ["ssa2", "esa"], ["ssa", "ssa"]]  # per layer and head; layers 1 and 2 have no full head
 
