@@ -19,6 +19,7 @@ from flexsparse.runtime.backends import BACKENDS, Backend, backend_executors, ch
 from flexsparse.runtime.call import AttentionCall
 from flexsparse.runtime.execute import execute
 from flexsparse.runtime.executors import Executor
+from flexsparse.runtime.flex import as_kernel_options
 from flexsparse.runtime.inputs import QueryHeadIndex, call_geometry, check_inputs, kv_head_tuple
 from flexsparse.runtime.modes import CallModes, ModeTable, as_pattern_dict
 from flexsparse.runtime.plan import PLAN_KINDS, PlanKind, Planner
@@ -52,7 +53,12 @@ class HybridAttention(nn.Module):
         executors: instead of the backend's set, these executors (Executor instances, in preference order: a tie
             in cost goes to the earlier one); fused plans and per-call mode tensors need one with ``fuses`` that
             accepts every pattern. A pattern no executor accepts is a ValueError. Not with ``backend``.
-        kernel_options: passed to flex_attention (e.g. block sizes, warps, stages).
+        kernel_options: a dict passed to every compiled flex_attention launch as it is (e.g.
+            ``{"BACKEND": "FLASH"}`` for FlashAttention-4's kernels, ``{"BACKEND": "TRITON"}``, block sizes,
+            warps, stages): it overrides flexsparse's own choice. None (default): each launch runs torch's
+            default Triton kernels, or FLASH where the device's measured table has it faster and the launch
+            qualifies (:mod:`flexsparse.runtime.flex`, "Backend of a compiled launch"). Not with ``executors``
+            (give a :class:`~flexsparse.runtime.flex.FlexExecutor` its own).
         max_dense_len: the longest q_len/kv_len the dense and flex_eager backends accept (they are O(S^2)).
         scale: softmax scale, default ``head_dim ** -0.5``.
         check_finite: raise a ValueError naming q, k or v when it holds NaN or inf (one host sync per call).
@@ -106,6 +112,11 @@ class HybridAttention(nn.Module):
             raise ValueError(f"plan must be one of {PLAN_KINDS}, got {plan!r}")
         if executors is not None and backend != "auto":
             raise ValueError(f"give backend or executors, not both (backend={backend!r} picks an executor set)")
+        kernel_options = as_kernel_options("kernel_options", kernel_options)
+        if executors is not None and kernel_options:
+            raise ValueError("give kernel_options or executors, not both (kernel_options configure the "
+                             "backend's FlexExecutor; pass FlexExecutor(..., kernel_options=...) among the "
+                             "executors instead)")
         self.backend, self.plan = backend, plan
         self.scale = self.head_dim**-0.5 if scale is None else as_float("scale", scale, positive=True)
         self.check_finite = bool(check_finite)

@@ -120,7 +120,7 @@ class SparseAttentionLayer(nn.Module):
 
     def __init__(self, layer_idx: int, path: str, num_heads: int, num_kv_heads: int, head_dim: int,
                  patterns: Mapping[str, Pattern], modes: Sequence[int], *, block_size: int, backend: str,
-                 plan: str, router: Router | None = None) -> None:
+                 plan: str, router: Router | None = None, kernel_options: dict | None = None) -> None:
         super().__init__()
         self.router = router
         self.settings = RouterSettings()
@@ -133,7 +133,8 @@ class SparseAttentionLayer(nn.Module):
         self.modes = tuple(modes)
         self.options = {"block_size": block_size, "backend": backend, "plan": plan}
         self.attention = HybridAttention(num_heads, num_kv_heads, head_dim, self.patterns, list(self.modes),
-                                         block_size=block_size, backend=backend, plan=plan)
+                                         block_size=block_size, backend=backend, plan=plan,
+                                         kernel_options=kernel_options)
         self.groups = cache_groups(list(self.patterns.values()), self.modes, self.attention.executors)
         self.attached = True
         """False once convert or revert replaced this state: caches filled through it refuse further use."""

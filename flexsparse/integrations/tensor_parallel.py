@@ -222,13 +222,14 @@ class TensorParallelLayer(SparseAttentionLayer):
     def __init__(self, layer_idx: int, path: str, num_heads: int, num_kv_heads: int, head_dim: int,
                  patterns: Mapping[str, Pattern], modes: Sequence[int], *, kv_heads: range, block_size: int,
                  backend: str, plan: str, group: dist.ProcessGroup | None = None,
-                 router: Router | None = None) -> None:
+                 router: Router | None = None, kernel_options: dict | None = None) -> None:
         check_tensor_parallel_router(router, f"layer {layer_idx}")
         if router is not None and router.average_heads and group is None:
             raise ValueError(f"a {type(router).__name__} averages every head: a tensor-parallel rank needs the "
                              "process group (group=) to gather the other ranks' pooled states")
         super().__init__(layer_idx, path, num_heads, num_kv_heads, head_dim, patterns, modes,
-                         block_size=block_size, backend=backend, plan=plan, router=router)
+                         block_size=block_size, backend=backend, plan=plan, router=router,
+                         kernel_options=kernel_options)
         self.kv_heads = kv_heads
         self.first_kv_head = kv_heads.start
         self.group = group

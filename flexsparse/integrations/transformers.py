@@ -42,6 +42,7 @@ from flexsparse.integrations.routing import (
     router_factory,
 )
 from flexsparse.masks import Pattern
+from flexsparse.runtime.flex import as_kernel_options
 from flexsparse.runtime.modes import mode_index
 from flexsparse.validation import as_int
 
@@ -297,12 +298,17 @@ def layer_heads(module: nn.Module) -> tuple[int, int, int]:
 def convert(model: PreTrainedModel, patterns: Mapping[str, Pattern] | Sequence[Mapping[str, Pattern]],
             modes: Sequence[Sequence[str | int]] | None = None, *, router: str | RouterFactory | None = None,
             router_options: Mapping | None = None, block_size: int = 128, backend: str = "auto",
-            plan: str = "auto", decode_graphs: bool = False) -> PreTrainedModel:
+            plan: str = "auto", decode_graphs: bool = False,
+            kernel_options: dict | None = None) -> PreTrainedModel:
     """Run ``model``'s attention through flexsparse, in place; returns the model.
 
     ``patterns``: name -> Pattern shared by every layer, or one such mapping per layer. ``modes``: one list per
     layer of per-KV-head pattern names or indices (with a router: optional, the layers' default modes, all the
-    router's full pattern when None). ``block_size``, ``backend``, ``plan``: HybridAttention's. A converted
+    router's full pattern when None). ``block_size``, ``backend``, ``plan``, ``kernel_options``:
+    HybridAttention's, for every layer. ``kernel_options``: a dict passed to every compiled flex_attention launch as it is,
+    overriding flexsparse's own choice of flex's backend; None (default) runs each launch on torch's Triton
+    kernels or, where the device's measured table has them faster, on FlashAttention-4's
+    (:mod:`flexsparse.runtime.flex`); :func:`save_config` does not write it. A converted
     model's forward runs every layer through its HybridAttention (padded batches included) and its ``generate()``
     uses a :class:`SparseKVCache` (see :func:`sparse_generate_cache`). Converting a converted model replaces its
     configuration. Models with their own sliding window or logit softcapping are refused (ValueError saying what
@@ -333,6 +339,7 @@ def convert(model: PreTrainedModel, patterns: Mapping[str, Pattern] | Sequence[M
     """
     if not isinstance(decode_graphs, bool):
         raise TypeError(f"decode_graphs must be a bool, got {type(decode_graphs).__name__}")
+    kernel_options = as_kernel_options("kernel_options", kernel_options)
     register()
     layers = attention_layers(model)
     per_layer = _layer_patterns(patterns, len(layers))
@@ -361,7 +368,8 @@ def convert(model: PreTrainedModel, patterns: Mapping[str, Pattern] | Sequence[M
     states = []
     for index, ((path, module), layer_patterns, (num_heads, num_kv, dim), layer_modes, layer_router) in enumerate(
             zip(layers, per_layer, heads, mode_indices, routers)):
-        options = {"block_size": block_size, "backend": backend, "plan": plan}
+        options = {"block_size": block_size, "backend": backend, "plan": plan,
+                   "kernel_options": kernel_options}
         try:
             if rank_heads is None:
                 state = SparseAttentionLayer(index, path, num_heads, num_kv, dim, layer_patterns, layer_modes,

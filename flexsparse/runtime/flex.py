@@ -9,13 +9,31 @@ Compiled calls run at the shapes of :mod:`flexsparse.runtime.buckets`: lengths o
 their bucket (padding rows and slots hold padding positions; contiguous prefill as ``PREFILL_POLICY`` says),
 the batch in power-of-two parts, one launch each on views of q/k/v. So any mix of prompt lengths, batch sizes
 and padding widths compiles a bounded number of variants.
+
+**Backend of a compiled launch** (``kernel_options``), in order of precedence:
+
+1. a layer built with ``kernel_options`` (a non-empty dict) passes them to every launch as they are:
+   flexsparse chooses nothing (``{"BACKEND": "FLASH"}`` asks for FlashAttention-4's kernels,
+   ``{"BACKEND": "TRITON"}`` pins torch's Triton kernels);
+2. otherwise a launch runs FLASH (``{"BACKEND": "FLASH"}``) where the device's measured table
+   (:mod:`flexsparse.runtime.flex_backend_table`) has FLASH faster than Triton for its pattern, pass and
+   length, and the launch is one FLASH is known to run: one of the layer's static patterns on every head of
+   the launch (its own BlockMask, no mode dispatch), a contiguous prefill that runs as it is (as many queries
+   as keys, a length on the key grid, no position tables: its mask_mod captures no tensor), on CUDA in the
+   table's dtype (bf16 or fp16), head dim and block size, with FlashAttention-4 importable (the ``fast``
+   extra), outside a caller's ``torch.compile``, and not a training call under
+   ``torch.use_deterministic_algorithms`` (FLASH's block-sparse backward has no deterministic form before
+   SM100);
+3. everywhere else torch's default (Triton; ``kernel_options=None``).
+
+The choice reads host values only (no sync), and each choice is a compiled variant of its own, built once.
 """
 
 from __future__ import annotations
 
 import warnings
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -38,10 +56,25 @@ from flexsparse.runtime.cost import (
     causal_tile_pairs,
 )
 from flexsparse.runtime.executors import Executor
+from flexsparse.runtime.fa4_executor import fa4_runs_on
+from flexsparse.runtime.flex_backend_table import flash_time_ratio
 
 _CONTIGUOUS_CACHE_SIZE = 8
 CPU_COMPILED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 """The dtypes compiled flex_attention runs on a CPU (inductor refuses float64 there)."""
+FLASH_OPTIONS = {"BACKEND": "FLASH"}
+"""The kernel options of a launch flexsparse runs on FLASH (see the module docstring)."""
+
+
+def as_kernel_options(name: str, value: object) -> dict | None:
+    """``value`` as flex_attention's kernel options: a dict copy of a mapping with string keys, or None;
+    TypeError naming ``name`` otherwise."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping) or not all(isinstance(key, str) for key in value):
+        raise TypeError(f"{name} must be a dict of flex_attention kernel options (e.g. {FLASH_OPTIONS}) or "
+                        f"None, got {type(value).__name__} {value!r}")
+    return dict(value)
 
 
 class _MaskSet:
@@ -72,7 +105,9 @@ class FlexExecutor(Executor):
                  max_len: int | None = None):
         self.layer_patterns = list(layer_patterns)
         self.compiled = compiled
-        self.kernel_options = dict(kernel_options or {})
+        self.kernel_options = as_kernel_options("kernel_options", kernel_options) or {}
+        """The user's options for every compiled launch; empty: each launch's backend as the module docstring
+        says."""
         self.max_len = max_len
         """The longest q_len/kv_len accepted (None: any); eager flex is O(S^2) in memory."""
         self.name = "flex" if compiled else "flex_eager"
@@ -92,12 +127,16 @@ class FlexExecutor(Executor):
     def cost(self, patterns, call):
         """Full heads: their causal pairs at flex's speed on full tiles. Other heads: every causal tile, each at
         the cost of a partial one (their density is not known on the host before the mask is built: an upper
-        estimate)."""
+        estimate). A launch that runs on FLASH (the module docstring) costs that times FLASH's measured time
+        over Triton's."""
         full = sum(p.is_full for p in patterns)
         work = attention_flops(call, full, causal_pairs(call))
         if full < len(patterns):
             work += FLEX_PARTIAL_TILE_COST * attention_flops(call, len(patterns) - full, causal_tile_pairs(call))
-        return work / (DENSE_FLOPS_PER_S * FLEX_FULL_SPEED)
+        seconds = work / (DENSE_FLOPS_PER_S * FLEX_FULL_SPEED)
+        one = patterns[0] if patterns and all(p is patterns[0] for p in patterns) else None
+        ratio = self._flash_ratio(one, call.geometry, _runs_as_is(call.geometry), call.q, call.needs_grad)
+        return seconds if ratio is None else seconds * ratio
 
     def cache_kind(self, pattern: Pattern) -> str | None:
         return "keep"
@@ -136,15 +175,34 @@ class FlexExecutor(Executor):
         if self.compiled and not run_geo.is_contiguous:  # bucket lengths, contiguous strides: one variant
             q = _padded(q, run_geo.q_len)
             k, v = _padded(k, run_geo.kv_len), _padded(v, run_geo.kv_len)
-        block_mask = self._block_mask(cache, patterns, modes, heads, needs_grad)
+        block_mask, own = self._block_mask(cache, patterns, modes, heads, needs_grad)
         if self.compiled:
-            out = run_flex(q, k, v, block_mask, scale, self.kernel_options)
+            options = self.kernel_options or None
+            if options is None and self._flash_ratio(own, geo, run_geo.is_contiguous, q, needs_grad) is not None:
+                options = FLASH_OPTIONS
+            out = run_flex(q, k, v, block_mask, scale, options)
         else:
             with warnings.catch_warnings():  # chosen explicitly and bounded by max_dense_len
                 warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile")
                 out = flex_attention(q, k, v, block_mask=block_mask, scale=scale,
                                      enable_gqa=q.shape[1] != k.shape[1])
         return out if out.shape[2] == geo.q_len else out[:, :, :geo.q_len]
+
+    def _flash_ratio(self, pattern: Pattern | None, geo: Geometry, as_is: bool, q: Tensor,
+                     grad: bool) -> float | None:
+        """FLASH's measured time over Triton's (below 1) for a launch of ``pattern``'s own mask over ``geo``
+        (``as_is``: it runs without position tables), or None where flexsparse runs the launch on Triton (the
+        module docstring)."""
+        if (pattern is None or not self.compiled or self.kernel_options or not as_is
+                or geo.q_len != geo.kv_len or not buckets.is_kv_bucket(geo.kv_len, geo.block_size)
+                or not any(pattern is p for p in self.layer_patterns) or pattern.is_dynamic
+                or torch.compiler.is_compiling() or (grad and torch.are_deterministic_algorithms_enabled())):
+            return None
+        ratio = flash_time_ratio(pattern.name, q.device, q.dtype, q.shape[-1], geo.block_size, geo.kv_len,
+                                 grad)
+        if ratio is None or ratio >= 1 or not fa4_runs_on(q.device):
+            return None
+        return ratio
 
     # ----- masks ---------------------------------------------------------------------------------------------
 
@@ -186,15 +244,17 @@ class FlexExecutor(Executor):
         return mods, masks, cacheable
 
     def _block_mask(self, cache: _MaskSet, patterns, modes: GroupModes, heads: HeadSelection,
-                    needs_grad: bool) -> BlockMask:
+                    needs_grad: bool) -> tuple[BlockMask, Pattern | None]:
+        """The launch's BlockMask, and the pattern whose own mask it is (None: a mask composed per head, whose
+        mask_mod dispatches on the mode tensor)."""
         mods, masks, cacheable = self._parts(cache, patterns)
         geo = cache.geometry
         uniform = modes.uniform
         if uniform is not None and (heads.is_all or masks[uniform].kv_num_blocks.shape[1] == 1):
-            return masks[uniform]  # one pattern for every selected head: its own mask, no dispatch
+            return masks[uniform], patterns[uniform]  # one pattern for every selected head: its own mask
         key = (modes.host, heads.kv_heads)
         if cacheable and modes.host is not None and key in cache.composed:
-            return cache.composed[key]
+            return cache.composed[key], None
         if cacheable:
             if cache.stack is None:
                 cache.stack = BlockMaskStack.from_masks(masks, geo.num_heads)
@@ -207,7 +267,18 @@ class FlexExecutor(Executor):
                                 with_backward=needs_grad or modes.host is not None)
         if cacheable and modes.host is not None:
             cache.composed[key] = composed
-        return composed
+        return composed, None
+
+
+def _runs_as_is(geo: Geometry) -> bool:
+    """Whether a compiled call of ``geo`` runs at its own lengths without position tables (what
+    :func:`~flexsparse.runtime.buckets.compiled_geometry` keeps as it is: a contiguous prefill on the grid, or
+    any contiguous call under ``PREFILL_POLICY = "exact"``), so its mask_mods capture no tensor."""
+    if not geo.is_contiguous:
+        return False
+    lengths = buckets.compiled_lengths(geo.q_len, geo.kv_len, geo.block_size)
+    return buckets.PREFILL_POLICY == "exact" or (buckets.PREFILL_POLICY == "grid"
+                                                 and lengths == (geo.q_len, geo.kv_len))
 
 
 def _canonical(t: Tensor) -> Tensor:
