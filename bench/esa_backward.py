@@ -28,7 +28,7 @@ import triton
 
 from flexsparse.kernels.esa import esa_attention, esa_launch
 from flexsparse.kernels.esa_index import EsaIndexRule
-from flexsparse.kernels.esa_launch import KERNEL_CONFIG, launch_backward, launch_forward
+from flexsparse.kernels.esa_launch import KERNEL_CONFIG, dkdv_work, launch_backward, launch_forward
 
 HEADS, KV_HEADS, DIM, LAYER, NUM_LAYERS = 32, 8, 128, 4, 8
 BYTES_PER_PAIR = 2 * DIM * 2
@@ -70,6 +70,7 @@ def rows_for(length: int, attn_length: int, authors: str | None, once: bool) -> 
     passes = {
         "forward kernel": lambda: launch_forward(q, k, v, launch),
         "dQ kernel": lambda: launch_backward(grad_out, q, k, v, out, lse, launch, need_dkdv=False),
+        "dK/dV work list": lambda: dkdv_work(launch, 1, HEADS, q.device),
         "dQ + dK/dV kernels": lambda: launch_backward(grad_out, q, k, v, out, lse, launch, need_dkdv=True),
         "esa fwd+bwd": fwd_bwd(lambda q, k, v: esa_attention(q, k, v, rule), q, k, v, grad_out),
         "sdpa fwd": lambda: sdpa_causal(q, k, v),

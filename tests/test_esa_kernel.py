@@ -5,12 +5,12 @@ conftest.py sets TRITON_INTERPRET=1 on machines without CUDA, before anything im
 4096, the accuracy criterion against the dense bf16 path, determinism) are marked ``gpu``.
 """
 
-import os
-
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from tests.kernel_markers import CUDA, DEVICE, INTERPRETED, kernel_test
 
 pytest.importorskip("triton")
 
@@ -19,10 +19,6 @@ from flexsparse.kernels.esa_index import EsaIndexRule  # noqa: E402
 from flexsparse.masks import ESA, Geometry  # noqa: E402
 from flexsparse.reference import attention as dense_reference  # noqa: E402
 
-CUDA = torch.cuda.is_available()
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cuda" if CUDA else "cpu"
-kernel_test = pytest.mark.skipif(not (CUDA or INTERPRETED), reason="needs CUDA or TRITON_INTERPRET=1")
 FP32_OUT_ATOL, FP32_GRAD_ATOL = 2e-5, 5e-5  # fp32 kernel vs float64, inputs ~N(0, 1), d <= 32
 
 
@@ -257,6 +253,33 @@ def test_kernel_forward_and_backward_match_dense_reference(case):
     assert_close_all(got, expected, FP32_OUT_ATOL, FP32_GRAD_ATOL)
 
 
+SETTINGS = {  # KERNEL_CONFIG changes: every backward path a setting selects
+    "dK/dV programs head-major": {"dkdv_block_major_waves": 0},
+    "dQ with a group's heads per program, split dS": {"dq_heads": 4, "dq_split": 1},
+    "dK/dV: two warps, 32-row chunks, split P and dS": {"dkdv_warps": 2, "dkdv_queries": 32, "dkdv_split": 1},
+}
+
+
+@kernel_test
+@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize("case", ["prefill gqa4 last layer w6", "chunked prefill", "odd heads (general tile loop)"])
+def test_kernel_backward_under_other_launch_settings(monkeypatch, setting, case):
+    """The launch settings benchmarks sweep (flexsparse.kernels.esa_launch.KERNEL_CONFIG) give the same gradients
+    (float64 dense reference, fp32)."""
+    from flexsparse.kernels import esa_launch
+
+    for key, value in SETTINGS[setting].items():
+        monkeypatch.setitem(esa_launch.KERNEL_CONFIG, key, type(esa_launch.KERNEL_CONFIG[key])(value))
+    batch, heads, kv_heads, q_len, kv_len, dim, w, layers, layer = CASES[case]
+    pattern = ESA(layer, layers, w, heads)
+    q, k, v = qkv(batch, heads, kv_heads, q_len, kv_len, dim, seed=q_len + 1)
+    grad_out = torch.randn_like(q)
+    mask = pattern.dense(Geometry(heads, q_len, kv_len, device=DEVICE))
+    expected = float64(lambda a, b, c: dense_reference(a, b, c, mask), q, k, v, grad_out)
+    got = with_grads(lambda a, b, c: esa_attention(a, b, c, rule(pattern)), q, k, v, grad_out)
+    assert_close_all(got, expected, FP32_OUT_ATOL, FP32_GRAD_ATOL)
+
+
 @kernel_test
 def test_kernel_padding_rows_in_any_order_give_zero_rows_and_no_gradient():
     pattern = ESA(2, 4, 6, 4)
@@ -364,7 +387,8 @@ def test_gpu_forward_and_backward_against_float64(seq, dtype, tol):
 @pytest.mark.gpu
 def test_gpu_bf16_gradients_within_twice_the_dense_bf16_error():
     """Max |error| vs float64 of each gradient <= 2x that of dense bf16 SDPA with the ESA mask (32 q / 8 kv heads,
-    d 128, S 1024: the shape where the authors' kernel is 18x worse)."""
+    d 128, S 1024: the shape where the authors' kernel is 18x worse). SDPA's backward is not deterministic, so
+    its error is the median over three runs."""
     pattern = ESA(4, 8, 64, 32)
     q, k, v = qkv(1, 32, 8, 1024, 1024, 128, dtype=torch.bfloat16, seed=2)
     grad_out = torch.randn_like(q)
@@ -372,11 +396,12 @@ def test_gpu_bf16_gradients_within_twice_the_dense_bf16_error():
     expected = float64(lambda a, b, c: dense_reference(a, b, c, mask), q, k, v, grad_out)
     sdpa = lambda a, b, c: torch.nn.functional.scaled_dot_product_attention(a, b, c, attn_mask=mask[0],
                                                                              enable_gqa=True)
-    dense = with_grads(sdpa, q, k, v, grad_out)
+    dense_runs = [with_grads(sdpa, q, k, v, grad_out) for _ in range(3)]
     ours = with_grads(lambda a, b, c: esa_attention(a, b, c, rule(pattern)), q, k, v, grad_out)
-    for name, a, d, e in zip(("out", "dq", "dk", "dv"), ours, dense, expected):
-        ours_err, dense_err = (a.double() - e).abs().max().item(), (d.double() - e).abs().max().item()
-        assert ours_err <= 2 * dense_err, (name, ours_err, dense_err)
+    for i, name in enumerate(("out", "dq", "dk", "dv")):
+        error = lambda t: (t.double() - expected[i]).abs().max().item()
+        dense_err = sorted(error(run[i]) for run in dense_runs)[1]
+        assert error(ours[i]) <= 2 * dense_err, (name, error(ours[i]), dense_err)
 
 
 @pytest.mark.gpu

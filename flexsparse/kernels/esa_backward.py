@@ -88,9 +88,15 @@ def esa_backward_dq_kernel(
     HAS_SLOTS: tl.constexpr, WIDE: tl.constexpr, SAME_KV_STRIDE: tl.constexpr, STEP_ONE: tl.constexpr,
     PRECISION: tl.constexpr, SPLIT: tl.constexpr,
 ):
-    """dQ [B, H, S_q, D] and DELTA [B, H, S_q] for BM position-ordered queries x HEADS heads."""
-    batch, kv_head, head, head_ok = program_heads(tl.program_id(1), NUM_HEADS, GROUP, HEADS)
-    r = tl.program_id(0) * BM + tl.arange(0, BM)
+    """dQ [B, H, S_q, D] and DELTA [B, H, S_q] for BM position-ordered queries x HEADS heads.
+
+    Grid (query blocks x programs per KV group, B x KV heads): the programs of a group take neighbouring ids, so
+    they run together and read the group's K/V rows while they are in L2 (as the forward's)."""
+    per_group: tl.constexpr = (GROUP + HEADS - 1) // HEADS
+    block = tl.program_id(0) // per_group
+    batch, kv_head, head, head_ok = program_heads(tl.program_id(1) * per_group + tl.program_id(0) % per_group,
+                                                  NUM_HEADS, GROUP, HEADS)
+    r = block * BM + tl.arange(0, BM)
     row, pos, real = query_rows(r, batch, q_len, span, first_pos, SORTED_POS, ORDER, stride_pos_b, HAS_POSITIONS)
     dims = tl.arange(0, D)
     head64, row64, batch64 = head.to(tl.int64), row.to(tl.int64), batch.to(tl.int64)
@@ -111,8 +117,7 @@ def esa_backward_dq_kernel(
     V_B = V + batch64 * stride_vb + kv_head.to(tl.int64) * stride_vh
     SLOTS_B = KEY_SLOTS + batch64 * stride_slots_b
 
-    first_real, last_real, consecutive = position_span(pos, real, first_pos + tl.program_id(0) * BM, BM,
-                                                        HAS_POSITIONS)
+    first_real, last_real, consecutive = position_span(pos, real, first_pos + block * BM, BM, HAS_POSITIONS)
     one_tile = False
     if STEP_ONE:
         one_tile = consecutive

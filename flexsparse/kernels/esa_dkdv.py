@@ -2,17 +2,16 @@
 
 A program owns BN key positions of one KV head. The queries whose slot-j key for head h falls in those positions
 are a contiguous run of position-ordered rows (keys are non-decreasing in the position), found by binary search.
-Two small kernels turn the runs into a work list before the main kernel starts: per program, one entry per BQ-row
-chunk of every (head of the group, slot) run, packed as ``(first row, head, slot)`` in one integer:
 
-* :func:`esa_dkdv_count_kernel` counts each program's chunks (the launcher prefix-sums them into offsets);
-* :func:`esa_dkdv_fill_kernel` writes each program's entries at its offset.
+A small kernel, :func:`esa_dkdv_work_kernel`, turns the runs into a work list before the main kernel starts:
+per program, one entry per BQ-row chunk of every (head of the group, slot) run, packed as ``(first row, head,
+slot)`` in one integer.
 
 The main kernel, :func:`esa_dkdv_kernel`, then runs one flat loop over its entries, which the compiler pipelines:
 the next chunks' query and dO rows load (``cp.async``) while the current one computes. One warp per program, so a
 chunk's P and dS go from the score tile's registers into the next dot without crossing warps. Per chunk:
-``S = K Q^T`` and ``dP = V dO^T`` ([BN, BQ] on the tensor cores), each row keeps the one column holding its key,
-``dV += P dO`` and ``dK += dS Q`` in fp32.
+``S = Q K^T`` and ``dP = dO V^T`` ([BQ, BN] on the tensor cores), each row keeps the one column holding its key,
+``dV += P^T dO`` and ``dK += dS^T Q`` in fp32.
 
 16-bit inputs: P and dS enter ``P dO`` and ``dS Q`` rounded to 16 bits, as in dense bf16 attention's backward
 (``SPLIT`` keeps their rounding error as a second 16-bit part); fp32 inputs stay fp32.
@@ -63,6 +62,17 @@ def _first_row_with_key_at_least(target, j, head, batch, q_len, span, first_pos,
 
 
 @triton.jit
+def _program_pair_and_block(program, pairs, blocks, HEAD_MAJOR: tl.constexpr):
+    """(pair = batch x KV heads + KV head, key block) of dK/dV program ``program``: head-major (a head's blocks
+    in order, so programs running together read neighbouring query rows from L2), or block-major (every head's
+    first block, the most work, first: a shorter tail when the grid is a few waves)."""
+    if HEAD_MAJOR:
+        return program // blocks, program % blocks
+    else:
+        return program % pairs, program // pairs
+
+
+@triton.jit
 def _chunks(first_key, kv_head, batch, q_len, span, first_pos, layer_weight, head_offset, search_steps,
             SORTED_POS, stride_pos_b, PATTERN_HEADS: tl.constexpr, GROUP: tl.constexpr, W: tl.constexpr,
             LAYER_DEN: tl.constexpr, GROUP_POW2: tl.constexpr, W_POW2: tl.constexpr, BN: tl.constexpr,
@@ -83,34 +93,27 @@ def _chunks(first_key, kv_head, batch, q_len, span, first_pos, layer_weight, hea
 
 
 @triton.jit
-def esa_dkdv_count_kernel(COUNTS, SORTED_POS, stride_pos_b, q_len, span, first_pos, layer_weight, head_offset,
-                          search_steps, NUM_HEADS: tl.constexpr, PATTERN_HEADS: tl.constexpr, GROUP: tl.constexpr,
-                          W: tl.constexpr, LAYER_DEN: tl.constexpr, GROUP_POW2: tl.constexpr,
-                          W_POW2: tl.constexpr, BN: tl.constexpr, BQ: tl.constexpr, HAS_POSITIONS: tl.constexpr):
-    """COUNTS[1 + program]: the number of work entries of each dK/dV program (grid as the main kernel's)."""
-    pair = tl.program_id(1)
+def esa_dkdv_work_kernel(USED, RANGES, WORK, SORTED_POS, stride_pos_b, pairs, blocks, q_len, span, first_pos,
+                         layer_weight, head_offset, search_steps, NUM_HEADS: tl.constexpr,
+                         PATTERN_HEADS: tl.constexpr, GROUP: tl.constexpr, W: tl.constexpr,
+                         LAYER_DEN: tl.constexpr, GROUP_POW2: tl.constexpr, W_POW2: tl.constexpr,
+                         BN: tl.constexpr, BQ: tl.constexpr, HAS_POSITIONS: tl.constexpr,
+                         HEAD_MAJOR: tl.constexpr):
+    """Each dK/dV program's work entries, ``row * GROUP_POW2 * W_POW2 + member * W_POW2 + slot`` for each BQ-row
+    chunk, ordered by (member, slot, row), at ``WORK[RANGES[2 p] : RANGES[2 p + 1]]`` for program p (numbered
+    as the main kernel's). ``USED (int64 [1], zero) hands out the space: where a
+    program's entries land varies from run to run, what each program reads does not."""
+    program = tl.program_id(0)
+    pair, block = _program_pair_and_block(program, pairs, blocks, HEAD_MAJOR)
     kv_heads: tl.constexpr = NUM_HEADS // GROUP
-    _, count = _chunks(tl.program_id(0) * BN, pair % kv_heads, pair // kv_heads, q_len, span, first_pos,
-                       layer_weight, head_offset, search_steps, SORTED_POS, stride_pos_b, PATTERN_HEADS, GROUP, W,
-                       LAYER_DEN, GROUP_POW2, W_POW2, BN, BQ, HAS_POSITIONS)
-    program = pair.to(tl.int64) * tl.num_programs(0) + tl.program_id(0)
-    tl.store(COUNTS + 1 + program, tl.sum(count, axis=0).to(COUNTS.dtype.element_ty))
-
-
-@triton.jit
-def esa_dkdv_fill_kernel(OFFSETS, WORK, SORTED_POS, stride_pos_b, q_len, span, first_pos, layer_weight,
-                         head_offset, search_steps, NUM_HEADS: tl.constexpr, PATTERN_HEADS: tl.constexpr,
-                         GROUP: tl.constexpr, W: tl.constexpr, LAYER_DEN: tl.constexpr, GROUP_POW2: tl.constexpr,
-                         W_POW2: tl.constexpr, BN: tl.constexpr, BQ: tl.constexpr, HAS_POSITIONS: tl.constexpr):
-    """WORK[OFFSETS[program] + i]: the program's entries, ``row * GROUP_POW2 * W_POW2 + member * W_POW2 + slot``
-    for each BQ-row chunk, ordered by (member, slot, row)."""
-    pair = tl.program_id(1)
-    kv_heads: tl.constexpr = NUM_HEADS // GROUP
-    first, count = _chunks(tl.program_id(0) * BN, pair % kv_heads, pair // kv_heads, q_len, span, first_pos,
-                           layer_weight, head_offset, search_steps, SORTED_POS, stride_pos_b, PATTERN_HEADS, GROUP,
-                           W, LAYER_DEN, GROUP_POW2, W_POW2, BN, BQ, HAS_POSITIONS)
-    program = pair.to(tl.int64) * tl.num_programs(0) + tl.program_id(0)
-    at = tl.load(OFFSETS + program) + tl.cumsum(count, axis=0) - count
+    first, count = _chunks(block * BN, pair % kv_heads, pair // kv_heads, q_len, span, first_pos, layer_weight,
+                           head_offset, search_steps, SORTED_POS, stride_pos_b, PATTERN_HEADS, GROUP, W,
+                           LAYER_DEN, GROUP_POW2, W_POW2, BN, BQ, HAS_POSITIONS)
+    total = tl.sum(count, axis=0).to(tl.int64)
+    base = tl.atomic_add(USED, total)
+    tl.store(RANGES + 2 * program.to(tl.int64), base)
+    tl.store(RANGES + 2 * program.to(tl.int64) + 1, base + total)
+    at = base + tl.cumsum(count, axis=0) - count
     lane = tl.arange(0, GROUP_POW2 * W_POW2).to(WORK.dtype.element_ty)
     entry = first.to(WORK.dtype.element_ty) * (GROUP_POW2 * W_POW2) + lane
     most = tl.max(count, axis=0)
@@ -122,26 +125,31 @@ def esa_dkdv_fill_kernel(OFFSETS, WORK, SORTED_POS, stride_pos_b, q_len, span, f
 
 @triton.jit
 def esa_dkdv_kernel(
-    Q, K, V, DO, DK, DV, LSE, DELTA, SORTED_POS, ORDER, KEY_SLOTS, OFFSETS, WORK,
+    Q, K, V, DO, DK, DV, LSE, DELTA, SORTED_POS, ORDER, KEY_SLOTS, RANGES, WORK,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_dob, stride_doh, stride_dos, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs,
-    stride_pos_b, stride_slots_b,
+    stride_pos_b, stride_slots_b, pairs, blocks,
     q_len, kv_len, span, first_pos, layer_weight, scale_log2, head_offset, sm_scale,
     NUM_HEADS: tl.constexpr, PATTERN_HEADS: tl.constexpr, GROUP: tl.constexpr, W: tl.constexpr,
     LAYER_DEN: tl.constexpr, D: tl.constexpr, GROUP_POW2: tl.constexpr, W_POW2: tl.constexpr, BN: tl.constexpr,
     BQ: tl.constexpr, HAS_POSITIONS: tl.constexpr, HAS_SLOTS: tl.constexpr, WIDE: tl.constexpr,
-    PRECISION: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr,
+    PRECISION: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr, HEAD_MAJOR: tl.constexpr,
 ):
-    """dK, dV of BN key positions of one KV head, summed over the group's heads and slots, in fp32."""
+    """dK, dV of BN key positions of one KV head, summed over the group's heads and slots, in fp32.
+
+    Programs in :func:`_program_pair_and_block`'s order."""
     kv_heads: tl.constexpr = NUM_HEADS // GROUP
-    batch = tl.program_id(1) // kv_heads
-    kv_head = tl.program_id(1) % kv_heads
+    program = tl.program_id(0)
+    pair, block = _program_pair_and_block(program, pairs, blocks, HEAD_MAJOR)
+    batch = pair // kv_heads
+    kv_head = pair % kv_heads
     batch64 = batch.to(tl.int64)
-    first_key = tl.program_id(0) * BN
+    first_key = block * BN
     cols = tl.arange(0, BN)
     dims = tl.arange(0, D)
     kpos = first_key + cols
-    slot, present = key_slots(kpos, kpos < span, KEY_SLOTS + batch64 * stride_slots_b, kv_len, span, HAS_SLOTS)
+    slot, present = key_slots(kpos, kpos < span, KEY_SLOTS + batch64 * stride_slots_b, kv_len,
+                              span, HAS_SLOTS)
     slot = slot.to(tl.int64)
     k = tl.load(K + batch64 * stride_kb + kv_head.to(tl.int64) * stride_kh + slot[:, None] * stride_ks
                 + dims[None, :], mask=present[:, None], other=0.0)
@@ -149,9 +157,8 @@ def esa_dkdv_kernel(
                 + dims[None, :], mask=present[:, None], other=0.0)
     dk = tl.zeros([BN, D], dtype=tl.float32)
     dv = tl.zeros([BN, D], dtype=tl.float32)
-    program = tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)
-    begin = tl.load(OFFSETS + program)
-    end = tl.load(OFFSETS + program + 1)
+    begin = tl.load(RANGES + 2 * program.to(tl.int64))
+    end = tl.load(RANGES + 2 * program.to(tl.int64) + 1)
     for at in tl.range(begin, end, num_stages=STAGES):
         entry = tl.load(WORK + at)
         r0 = (entry // (GROUP_POW2 * W_POW2)).to(tl.int32)

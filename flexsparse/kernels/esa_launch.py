@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -11,7 +12,7 @@ from torch import Tensor
 
 from flexsparse.kernels.esa_backward import esa_backward_dq_kernel
 from flexsparse.kernels.esa_decode import esa_decode_kernel
-from flexsparse.kernels.esa_dkdv import esa_dkdv_count_kernel, esa_dkdv_fill_kernel, esa_dkdv_kernel
+from flexsparse.kernels.esa_dkdv import esa_dkdv_kernel, esa_dkdv_work_kernel
 from flexsparse.kernels.esa_forward import esa_forward_kernel
 
 BLOCK_QUERIES = 16
@@ -23,10 +24,13 @@ DECODE_MAX_QUERIES = BLOCK_QUERIES - 1
 KERNEL_CONFIG = {
     "forward_stages": 2,  # cp.async stages of the forward's key tiles (one warp per program)
     "forward_split": False,  # P enters P @ V as two 16-bit parts (False: rounded once, as dense bf16 attention)
-    "dkdv_warps": 1,  # one warp: P and dS stay in its registers between dots (SASS: docs/notes/esa-kernel.md)
+    "dq_heads": 1,  # query heads per dQ program, one warp each (at most the KV group, a power of two)
+    "dq_split": False,  # dS enters dS @ K as two 16-bit parts (False: rounded once, as dense bf16)
+    "dkdv_warps": 1,  # one warp: P and dS stay in its registers between dots (docs/notes/esa-kernel.md)
     "dkdv_queries": 16,  # rows per work entry (BQ)
     "dkdv_stages": 3,  # cp.async stages of the work loop's query and dO rows
     "dkdv_split": False,  # P and dS enter P dO and dS Q as two 16-bit parts (False: rounded once, as dense bf16)
+    "dkdv_block_major_waves": 8,  # block-major dK/dV programs below this many waves of 8 per SM, head-major above
     "decode_warps": 4,
 }
 """Launch settings, chosen by H100 measurements and the compiler's SASS: docs/notes/esa-kernel.md."""
@@ -123,41 +127,62 @@ def launch_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     delta = torch.empty_like(lse)
     sorted_pos, order, slots, stride_pos, stride_slots = launch.position_args(q.device)
-    per_program = launch.heads_per_program()
+    per_program = min(KERNEL_CONFIG["dq_heads"], launch.heads_per_program())
     kv_heads = heads // launch.group
-    programs = batch * kv_heads * triton.cdiv(launch.group, per_program)
+    per_group = triton.cdiv(launch.group, per_program)
     common = dict(NUM_HEADS=heads, PATTERN_HEADS=launch.num_heads, GROUP=launch.group, W=launch.attn_length,
                   LAYER_DEN=launch.layer_den, D=dim,
                   HAS_POSITIONS=launch.sorted_pos is not None, HAS_SLOTS=launch.key_slots is not None,
-                  PRECISION=launch.precision, SPLIT=launch.split)
+                  PRECISION=launch.precision)
     row_kinds = _row_offset_kinds(k, v)
-    esa_backward_dq_kernel[(triton.cdiv(q_len, BLOCK_QUERIES), programs)](
-        q, k, v, out, do, dq, lse, delta, sorted_pos, order, slots, *_strides(q), *_strides(k), *_strides(v),
-        *_strides(out), *_strides(do), *_strides(dq), stride_pos, stride_slots, *launch.rule_args(), launch.scale,
-        HEADS=per_program, BM=BLOCK_QUERIES, STEP_ONE=launch.step_one,
-        num_warps=per_program, **row_kinds, **common)
+    dq_args = (q, k, v, out, do, dq, lse, delta, sorted_pos, order, slots, *_strides(q), *_strides(k), *_strides(v),
+               *_strides(out), *_strides(do), *_strides(dq), stride_pos, stride_slots, *launch.rule_args(),
+               launch.scale)
+    dq_grid = (triton.cdiv(q_len, BLOCK_QUERIES) * per_group, batch * kv_heads)
+    dq_options = dict(HEADS=per_program, BM=BLOCK_QUERIES, STEP_ONE=launch.step_one,
+                      SPLIT=launch.split and KERNEL_CONFIG["dq_split"], num_warps=per_program, **row_kinds,
+                      **common)
+    esa_backward_dq_kernel[dq_grid](*dq_args, **dq_options)
     if not need_dkdv:
         return dq, None, None
     # without key_slots every slot is some key position's and gets written; with them, unused slots stay 0
     make = torch.empty if launch.key_slots is None else torch.zeros
     dk = make(k.shape, dtype=k.dtype, device=k.device)
     dv = make(v.shape, dtype=v.dtype, device=v.device)
-    grid = (triton.cdiv(launch.span, BLOCK_KEYS), batch * kv_heads)
-    offsets, work = _dkdv_work(launch, grid, heads, lse.device, common)
-    esa_dkdv_kernel[grid](
-        q, k, v, do, dk, dv, lse, delta, sorted_pos, order, slots, offsets, work, *_strides(q), *_strides(k),
-        *_strides(v), *_strides(do), *_strides(dk), *_strides(dv), stride_pos, stride_slots, *launch.rule_args(),
-        launch.scale, WIDE=_wide_rows(q, do), W_POW2=triton.next_power_of_2(launch.attn_length),
+    pairs, blocks = dkdv_programs(launch, batch, heads)
+    ranges, work = dkdv_work(launch, batch, heads, q.device)
+    esa_dkdv_kernel[(pairs * blocks,)](
+        q, k, v, do, dk, dv, lse, delta, sorted_pos, order, slots, ranges, work, *_strides(q), *_strides(k),
+        *_strides(v), *_strides(do), *_strides(dk), *_strides(dv), stride_pos, stride_slots, pairs, blocks,
+        *launch.rule_args(), launch.scale, HEAD_MAJOR=_head_major(pairs * blocks, q.device), WIDE=_wide_rows(q, do), W_POW2=triton.next_power_of_2(launch.attn_length),
         GROUP_POW2=triton.next_power_of_2(launch.group), BN=BLOCK_KEYS, BQ=KERNEL_CONFIG["dkdv_queries"],
         STAGES=KERNEL_CONFIG["dkdv_stages"], num_warps=KERNEL_CONFIG["dkdv_warps"],
         num_stages=KERNEL_CONFIG["dkdv_stages"],
-        **{**common, "SPLIT": launch.split and KERNEL_CONFIG["dkdv_split"]})
+        SPLIT=launch.split and KERNEL_CONFIG["dkdv_split"], **common)
     return dq, dk, dv
 
 
-def _dkdv_work(launch: EsaLaunch, grid: tuple[int, int], heads: int, device: torch.device,
-               common: dict) -> tuple[Tensor, Tensor]:
-    """(offsets int64 [programs + 1], work entries) of the dK/dV programs (:mod:`flexsparse.kernels.esa_dkdv`).
+def _head_major(programs: int, device: torch.device) -> bool:
+    """Whether the dK/dV programs run head-major (see :mod:`flexsparse.kernels.esa_dkdv`): when the grid is many
+    waves of 8 programs per multiprocessor, L2 reuse wins over the tail."""
+    return programs >= KERNEL_CONFIG["dkdv_block_major_waves"] * 8 * _multiprocessors(device)
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    """A CUDA device's multiprocessors; 1 elsewhere (the interpreter runs programs one by one)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def dkdv_programs(launch: EsaLaunch, batch: int, heads: int) -> tuple[int, int]:
+    """(pairs, key blocks) of the dK/dV kernel: pairs = batch x KV heads, blocks of BLOCK_KEYS key
+    positions; its grid is their product."""
+    return batch * (heads // launch.group), triton.cdiv(launch.span, BLOCK_KEYS)
+
+
+def dkdv_work(launch: EsaLaunch, batch: int, heads: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """(ranges int64 [programs, 2], work entries) of the dK/dV programs (:mod:`flexsparse.kernels.esa_dkdv`)
+    for ``batch`` sequences of ``heads`` query heads.
 
     The entries' buffer is sized by a bound, not by the count (reading it would sync the host): per (batch, KV
     head, head of the group, slot), the runs of all key blocks hold at most ``q_len`` rows in at most
@@ -166,19 +191,19 @@ def _dkdv_work(launch: EsaLaunch, grid: tuple[int, int], heads: int, device: tor
     group_pow2 = triton.next_power_of_2(launch.group)
     w_pow2 = triton.next_power_of_2(launch.attn_length)
     lanes = group_pow2 * w_pow2
-    blocks, pairs = grid
+    pairs, blocks = dkdv_programs(launch, batch, heads)
     bound = pairs * launch.group * launch.attn_length * (
         triton.cdiv(launch.q_len, rows_per_chunk) + min(blocks, launch.q_len))
     wide = (launch.q_len + rows_per_chunk) * lanes >= 2**31
     work = torch.empty(max(bound, 1), dtype=torch.int64 if wide else torch.int32, device=device)
-    offsets = torch.zeros(blocks * pairs + 1, dtype=torch.int64, device=device)
+    ranges = torch.empty(pairs * blocks, 2, dtype=torch.int64, device=device)
+    used = torch.zeros(1, dtype=torch.int64, device=device)
     sorted_pos, _, _, stride_pos, _ = launch.position_args(device)
-    args = (sorted_pos, stride_pos, launch.q_len, launch.span, launch.first_pos, launch.layer_weight,
+    args = (sorted_pos, stride_pos, pairs, blocks, launch.q_len, launch.span, launch.first_pos, launch.layer_weight,
             launch.head_offset, max(launch.q_len, 1).bit_length())
     sizes = dict(NUM_HEADS=heads, PATTERN_HEADS=launch.num_heads, GROUP=launch.group, W=launch.attn_length,
                  LAYER_DEN=launch.layer_den, GROUP_POW2=group_pow2, W_POW2=w_pow2, BN=BLOCK_KEYS,
-                 BQ=rows_per_chunk, HAS_POSITIONS=common["HAS_POSITIONS"], num_warps=4)
-    esa_dkdv_count_kernel[grid](offsets, *args, **sizes)
-    torch.cumsum(offsets, 0, out=offsets)
-    esa_dkdv_fill_kernel[grid](offsets, work, *args, **sizes)
-    return offsets, work
+                 BQ=rows_per_chunk, HAS_POSITIONS=launch.sorted_pos is not None,
+                 HEAD_MAJOR=_head_major(pairs * blocks, device), num_warps=4)
+    esa_dkdv_work_kernel[(pairs * blocks,)](used, ranges, work, *args, **sizes)
+    return ranges, work
