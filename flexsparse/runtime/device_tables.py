@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 from collections.abc import Callable, Mapping
 from importlib import resources
@@ -47,6 +48,17 @@ def entry_rows_and_dtype(entry: object, what: str, where: str) -> tuple[list, to
 
 
 @functools.cache
+def positive_int(value: object) -> bool:
+    """Whether a table field holds an int >= 1 (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def positive_number(value: object) -> bool:
+    """Whether a table field holds a finite number > 0 (not a bool)."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and value > 0)
+
+
 def cuda_device_name(index: int) -> str:
     """``torch.cuda.get_device_name(index)``, once per device."""
     return torch.cuda.get_device_name(index)

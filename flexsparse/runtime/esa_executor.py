@@ -9,8 +9,8 @@ new token's keys (:meth:`EsaExecutor.decode_step`: the kernel on CUDA, its PyTor
 
 The crossover with flex is measured, not guessed (:mod:`flexsparse.runtime.esa_kernel_table`): where the table has
 rates for a call, the kernel is priced at its measured rate, and where flex measured faster the executor declines
-the pattern, so its heads run on flex (on the H100: ESA with ``attn_length`` 256 below ~3K tokens, ~6K in
-training). Everywhere else (CPU, unknown devices, other dtypes, decode steps, chunks) the constant
+the pattern, so its heads run on flex (on the H100: ESA with ``attn_length`` 256 below ~3K tokens, in inference
+and training). Everywhere else (CPU, unknown devices, other dtypes, decode steps, chunks) the constant
 :data:`SECONDS_PER_QUERY_KEY` prices the kernel and it takes every call it can run.
 
 The executor recognises its patterns by name (``pattern_names``) and reads their ``attn_length``.

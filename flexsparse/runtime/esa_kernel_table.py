@@ -25,6 +25,8 @@ from flexsparse.runtime.device_tables import (
     device_index,
     entry_for_name,
     entry_rows_and_dtype,
+    positive_int,
+    positive_number,
     read_device_entries,
     shipped_table_path,
 )
@@ -99,13 +101,6 @@ def load_esa_kernel_table(path: str | Path | None = None) -> dict[str, EsaDevice
     return {key: device_table_from_json(entry, f"{path}: devices[{key!r}]") for key, entry in devices.items()}
 
 
-def _positive_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
-def _positive_seconds(value: object) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-            and value > 0)
 
 
 def device_table_from_json(entry: object, where: str = "device entry") -> EsaDeviceTable:
@@ -113,7 +108,7 @@ def device_table_from_json(entry: object, where: str = "device entry") -> EsaDev
     :func:`load_esa_kernel_table`); ``where`` names it in errors."""
     rows_json, dtype = entry_rows_and_dtype(entry, "ESA kernel table", where)
     head_dim = entry.get("head_dim")
-    if not _positive_int(head_dim):
+    if not positive_int(head_dim):
         raise ValueError(f"ESA kernel table {where}: 'head_dim' must be a positive integer, got {head_dim!r}")
     rows: dict[tuple[str, int, int], EsaRates] = {}
     for i, row in enumerate(rows_json):
@@ -123,11 +118,11 @@ def device_table_from_json(entry: object, where: str = "device entry") -> EsaDev
         if row.get("pass") not in PASSES:
             raise ValueError(f"ESA kernel table {at}: 'pass' must be one of {PASSES}, got {row.get('pass')!r}")
         for field in ("length", "attn_length"):
-            if not _positive_int(row.get(field)):
+            if not positive_int(row.get(field)):
                 raise ValueError(f"ESA kernel table {at}: {field!r} must be a positive integer, got "
                                  f"{row.get(field)!r}")
         for field in ("kernel_s_per_query_key", "flex_s_per_query_key"):
-            if not _positive_seconds(row.get(field)):
+            if not positive_number(row.get(field)):
                 raise ValueError(f"ESA kernel table {at}: {field!r} must be a positive number of seconds, got "
                                  f"{row.get(field)!r}")
         key = (row["pass"], row["length"], row["attn_length"])

@@ -28,6 +28,8 @@ from flexsparse.runtime.device_tables import (
     device_index,
     entry_for_name,
     entry_rows_and_dtype,
+    positive_int,
+    positive_number,
     read_device_entries,
     shipped_table_path,
 )
@@ -98,13 +100,6 @@ def load_flex_backend_table(path: str | Path | None = None) -> dict[str, FlexBac
     return {key: device_table_from_json(entry, f"{path}: devices[{key!r}]") for key, entry in devices.items()}
 
 
-def _positive_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
-def _positive_ms(value: object) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-            and value > 0)
 
 
 def device_table_from_json(entry: object, where: str = "device entry") -> FlexBackendDeviceTable:
@@ -116,7 +111,7 @@ def device_table_from_json(entry: object, where: str = "device entry") -> FlexBa
         raise ValueError(f"{what} {where}: 'dtype' must be bfloat16 or float16 (what FLASH runs), got "
                          f"{entry.get('dtype')!r}")
     for field in ("head_dim", "block_size"):
-        if not _positive_int(entry.get(field)):
+        if not positive_int(entry.get(field)):
             raise ValueError(f"{what} {where}: {field!r} must be a positive integer, got "
                              f"{entry.get(field)!r}")
     rows: dict[tuple[str, str, int], FlexBackendTimes] = {}
@@ -128,10 +123,10 @@ def device_table_from_json(entry: object, where: str = "device entry") -> FlexBa
             raise ValueError(f"{what} {at}: 'pattern' must be a pattern's name, got {row.get('pattern')!r}")
         if row.get("pass") not in PASSES:
             raise ValueError(f"{what} {at}: 'pass' must be one of {PASSES}, got {row.get('pass')!r}")
-        if not _positive_int(row.get("length")):
+        if not positive_int(row.get("length")):
             raise ValueError(f"{what} {at}: 'length' must be a positive integer, got {row.get('length')!r}")
         for field in ("triton_ms", "flash_ms"):
-            if not _positive_ms(row.get(field)):
+            if not positive_number(row.get(field)):
                 raise ValueError(f"{what} {at}: {field!r} must be a positive number of milliseconds, got "
                                  f"{row.get(field)!r}")
         key = (row["pattern"], row["pass"], row["length"])
