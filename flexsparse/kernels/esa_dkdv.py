@@ -1,4 +1,4 @@
-"""The ESA dK/dV kernel (key-major, no atomics: deterministic) and the work list it walks.
+"""The ESA dK/dV kernel (key-major, no atomics on the gradients: deterministic) and the work list it walks.
 
 A program owns BN key positions of one KV head. The queries whose slot-j key for head h falls in those positions
 are a contiguous run of position-ordered rows (keys are non-decreasing in the position), found by binary search.
@@ -101,8 +101,8 @@ def esa_dkdv_work_kernel(USED, RANGES, WORK, SORTED_POS, stride_pos_b, pairs, bl
                          HEAD_MAJOR: tl.constexpr):
     """Each dK/dV program's work entries, ``row * GROUP_POW2 * W_POW2 + member * W_POW2 + slot`` for each BQ-row
     chunk, ordered by (member, slot, row), at ``WORK[RANGES[2 p] : RANGES[2 p + 1]]`` for program p (numbered
-    as the main kernel's). ``USED (int64 [1], zero) hands out the space: where a
-    program's entries land varies from run to run, what each program reads does not."""
+    as the main kernel's). ``USED`` (int64 [1], zero) hands out the space: where a program's entries land varies
+    from run to run, what each program reads does not."""
     program = tl.program_id(0)
     pair, block = _program_pair_and_block(program, pairs, blocks, HEAD_MAJOR)
     kv_heads: tl.constexpr = NUM_HEADS // GROUP
@@ -148,8 +148,7 @@ def esa_dkdv_kernel(
     cols = tl.arange(0, BN)
     dims = tl.arange(0, D)
     kpos = first_key + cols
-    slot, present = key_slots(kpos, kpos < span, KEY_SLOTS + batch64 * stride_slots_b, kv_len,
-                              span, HAS_SLOTS)
+    slot, present = key_slots(kpos, kpos < span, KEY_SLOTS + batch64 * stride_slots_b, kv_len, span, HAS_SLOTS)
     slot = slot.to(tl.int64)
     k = tl.load(K + batch64 * stride_kb + kv_head.to(tl.int64) * stride_kh + slot[:, None] * stride_ks
                 + dims[None, :], mask=present[:, None], other=0.0)
