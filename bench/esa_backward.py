@@ -5,14 +5,16 @@ Shape: B=1, 32 query / 8 KV heads, d=128, bf16, ``ESA(4, 8, attn_length, 32)`` (
 Each row is the median of ``triton.testing.do_bench`` (L2 flushed between calls). ``ps/pair`` is picoseconds per
 (query head, attended key) pair, ``heads x length x attn_length``; the forward's and each backward kernel's bytes
 moved through L2 are about 512 per pair (two 16-bit rows of d=128), so ``TB/s`` = 512 B / (ps per pair) is the
-L2 stream a pass sustains (the H100's measured L2 read ceiling: 7.6-8.2 TB/s).
+gathered stream a pass sustains (the H100's measured L2 read ceiling: 7.6-8.2 TB/s). What bounds the passes on the
+H100 is shared-memory traffic, 1-3 KB per pair (``docs/notes/esa-kernel.md``, "The backward rebuilt").
 
     PYTHONPATH=. python bench/esa_backward.py --seq 8192 32768 131072 --out rows.json
     PYTHONPATH=. python bench/esa_backward.py --seq 131072 --authors PATH/elastic_sparse_attention.py
 
 ``--authors FILE``: the authors' module (HighCWu/elastic-sparse-attention, ``elastic_sparse_attention.py``, a copy
 outside the repository), timed at the lengths of ``--authors-seq``. ``--once``: one call of each kernel after a
-warm-up and no timing, for a profiler (``ncu -k regex:esa_ ...``).
+warm-up and no timing, for a profiler (``ncu -k regex:esa_ ...``). ``--config KEY=INT ...``: launch settings
+(:data:`flexsparse.kernels.esa_launch.KERNEL_CONFIG`) for a sweep.
 """
 
 from __future__ import annotations
