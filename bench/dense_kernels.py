@@ -33,7 +33,6 @@ import argparse
 import importlib.util
 import json
 import site
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -42,6 +41,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from device_timing import timed_ms  # bench/: the directory of this script
 from torch.nn.attention import sdpa_kernel
 
 from flexsparse.masks import Causal, Geometry
@@ -70,28 +70,6 @@ def causal_flops(heads: int, dim: int, length: int, pass_name: str) -> float:
     """FLOPs of causal attention of one sequence (B=1)."""
     forward = 4 * dim * heads * length * (length + 1) / 2
     return forward * (FORWARD_BACKWARD_FLOPS if pass_name == "forward_backward" else 1.0)
-
-
-def timed_ms(fn: Callable[[], object], device: torch.device, budget_s: float) -> tuple[float, int]:
-    """(median ms, calls timed) of ``fn`` after one warm-up call: at least 3 calls, more while they fit
-    ``budget_s``, at most 25."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    fn()
-    sync()
-    times: list[float] = []
-    while len(times) < 3 or (sum(times) < budget_s * 1e3 and len(times) < 25):
-        if device.type == "cuda":
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(begin.elapsed_time(end))
-        else:
-            begin_s = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - begin_s) * 1e3)
-    return statistics.median(times), len(times)
 
 
 def sdpa_attend(backend: str, repeat_kv: bool) -> Callable:
@@ -164,7 +142,7 @@ def measure(kernel: str, pass_name: str, length: int, shape: dict, device: torch
             step = lambda attend=attend: attend(q, k, v)
         try:
             with torch.no_grad() if not grad else torch.enable_grad():
-                ms, calls = timed_ms(step, device, budget_s)
+                ms, calls = timed_ms(step, budget_s, device)
         except (RuntimeError, NotImplementedError, ValueError, AssertionError) as err:  # refused or out of memory
             errors.append(one_line(err) if not errors or one_line(err) != errors[-1] else None)
             if device.type == "cuda":

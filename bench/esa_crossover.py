@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -34,6 +33,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from device_timing import Deadline, timed_ms  # bench/: the directory of this script
 
 from flexsparse import HybridAttention
 from flexsparse.kernels.availability import triton_version
@@ -49,32 +49,6 @@ LENGTHS = [2048, 4096, 8192, 16384, 32768]
 ATTN_LENGTHS = [64, 256]
 EXECUTORS = ("kernel", "flex")
 OUT_TOLERANCE, GRAD_TOLERANCE = 3e-2, 6e-2
-
-
-class Deadline:
-    """The run's time budget: measurements start only before it passes."""
-
-    def __init__(self, seconds: float) -> None:
-        self.end = time.perf_counter() + seconds
-
-    def passed(self) -> bool:
-        return time.perf_counter() > self.end
-
-
-def timed_ms(fn: Callable[[], object], budget_s: float) -> tuple[float, int]:
-    """(median ms, calls timed) of ``fn`` after one warm-up call: at least 3 calls, more while they fit
-    ``budget_s``, at most 25."""
-    fn()
-    torch.cuda.synchronize()
-    times: list[float] = []
-    while len(times) < 3 or (sum(times) < budget_s * 1e3 and len(times) < 25):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(begin.elapsed_time(end))
-    return statistics.median(times), len(times)
 
 
 def esa_layers(attn_length: int) -> dict[str, HybridAttention]:

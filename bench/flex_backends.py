@@ -42,6 +42,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+from device_timing import Deadline, timed_ms  # bench/: the directory of this script
 
 from flexsparse import HybridAttention
 from flexsparse.masks import Pattern, SinkWindow, TriangleMix
@@ -60,32 +61,6 @@ PATTERNS: dict[str, Callable[[], Pattern]] = {
 BACKENDS = {"triton": {"BACKEND": "TRITON"}, "flash": {"BACKEND": "FLASH"}}
 OUT_TOLERANCE, GRAD_TOLERANCE = 3e-2, 6e-2
 PACKAGES = ("flash-attn-4", "nvidia-cutlass-dsl")
-
-
-class Deadline:
-    """The run's time budget: measurements start only before it passes."""
-
-    def __init__(self, seconds: float) -> None:
-        self.end = time.perf_counter() + seconds
-
-    def passed(self) -> bool:
-        return time.perf_counter() > self.end
-
-
-def timed_ms(fn: Callable[[], object], budget_s: float) -> float:
-    """Median ms of ``fn`` after one warm-up call: at least 3 calls, more while they fit ``budget_s``, at most
-    25."""
-    fn()
-    torch.cuda.synchronize()
-    times: list[float] = []
-    while len(times) < 3 or (sum(times) < budget_s * 1e3 and len(times) < 25):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(begin.elapsed_time(end))
-    return statistics.median(times)
 
 
 def layers(pattern_name: str) -> dict[str, HybridAttention]:
@@ -140,7 +115,7 @@ def measure(pattern: str, pair: dict[str, HybridAttention], pass_name: str, leng
     for _ in range(args.rounds):
         for name in [n for n in pair if n in steps and n not in failed]:
             try:
-                turns[name].append(timed_ms(steps[name], args.budget_s / args.rounds))
+                turns[name].append(timed_ms(steps[name], args.budget_s / args.rounds)[0])
             except Exception as err:  # noqa: BLE001 -- a refused compile or OOM: no time for that backend
                 failed[name] = one_line(err)
     steps.clear()

@@ -7,10 +7,8 @@ on the meta device (32/8 heads, d 128, 2K to 32K): costs need shapes only, and f
 gradients (it refuses CPU ones: no CPU backward).
 """
 
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -30,6 +28,7 @@ from flexsparse.runtime.esa_kernel_table import (
 from flexsparse.runtime.executors import SdpaExecutor
 from flexsparse.runtime.flex import FlexExecutor
 from flexsparse.runtime.plan import Planner
+from tests.bench_scripts import load_bench
 
 PS = 1e-12
 NAMES = {0: "NVIDIA H100 80GB HBM3", 1: "NVIDIA A100-SXM4-80GB", 2: "NVIDIA H100 PCIe"}
@@ -231,11 +230,7 @@ def test_unreadable_table_is_a_value_error(tmp_path):
 
 
 def bench_module():
-    path = Path(__file__).parents[1] / "bench" / "esa_crossover.py"
-    spec = importlib.util.spec_from_file_location("esa_crossover_bench", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("esa_crossover")
 
 
 def test_bench_writes_a_table_the_executor_reads(tmp_path, monkeypatch):

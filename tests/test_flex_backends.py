@@ -10,10 +10,8 @@ dense reference, forward and backward (bf16: |err| <= 3e-2 on outputs, 6e-2 on g
 reference's largest magnitude, as tests/test_gpu.py), and the measured choice end to end.
 """
 
-import importlib.util
 import json
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -33,6 +31,7 @@ from flexsparse.runtime.flex_backend_table import (
     flash_time_ratio,
     load_flex_backend_table,
 )
+from tests.bench_scripts import load_bench
 
 HEADS, KV_HEADS, DIM, BLOCK = 4, 2, 16, 16
 NAMES = {0: "NVIDIA H100 80GB HBM3", 1: "NVIDIA A100-SXM4-80GB", 2: "NVIDIA H100 PCIe"}
@@ -374,11 +373,7 @@ def test_convert_passes_kernel_options_to_every_layer(launches):
 
 
 def bench_module():
-    path = Path(__file__).parents[1] / "bench" / "flex_backends.py"
-    spec = importlib.util.spec_from_file_location("flex_backends_bench", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("flex_backends")
 
 
 def test_bench_writes_a_table_the_executor_reads(tmp_path, monkeypatch):

@@ -305,9 +305,9 @@ def convert(model: PreTrainedModel, patterns: Mapping[str, Pattern] | Sequence[M
     ``patterns``: name -> Pattern shared by every layer, or one such mapping per layer. ``modes``: one list per
     layer of per-KV-head pattern names or indices (with a router: optional, the layers' default modes, all the
     router's full pattern when None). ``block_size``, ``backend``, ``plan``, ``kernel_options``:
-    HybridAttention's, for every layer. ``kernel_options``: a dict passed to every compiled flex_attention launch as it is,
-    overriding flexsparse's own choice of flex's backend; None (default) runs each launch on torch's Triton
-    kernels or, where the device's measured table has them faster, on FlashAttention-4's
+    HybridAttention's, for every layer. ``kernel_options``: a dict passed to every compiled flex_attention launch
+    as it is, overriding flexsparse's own choice of flex's backend; None (default) runs each launch on torch's
+    Triton kernels or, where the device's measured table has them faster, on FlashAttention-4's
     (:mod:`flexsparse.runtime.flex`); :func:`save_config` does not write it. A converted
     model's forward runs every layer through its HybridAttention (padded batches included) and its ``generate()``
     uses a :class:`SparseKVCache` (see :func:`sparse_generate_cache`). Converting a converted model replaces its

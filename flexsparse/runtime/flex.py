@@ -196,13 +196,12 @@ class FlexExecutor(Executor):
         if (pattern is None or not self.compiled or self.kernel_options or not as_is
                 or geo.q_len != geo.kv_len or not buckets.is_kv_bucket(geo.kv_len, geo.block_size)
                 or not any(pattern is p for p in self.layer_patterns) or pattern.is_dynamic
-                or torch.compiler.is_compiling() or (grad and torch.are_deterministic_algorithms_enabled())):
+                or torch.compiler.is_compiling() or (grad and torch.are_deterministic_algorithms_enabled())
+                or not fa4_runs_on(q.device)):
             return None
         ratio = flash_time_ratio(pattern.name, q.device, q.dtype, q.shape[-1], geo.block_size, geo.kv_len,
                                  grad)
-        if ratio is None or ratio >= 1 or not fa4_runs_on(q.device):
-            return None
-        return ratio
+        return None if ratio is None or ratio >= 1 else ratio
 
     # ----- masks ---------------------------------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ without the table.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -63,12 +64,19 @@ class FlexBackendDeviceTable:
     block_size: int
     rows: Mapping[tuple[str, str, int], FlexBackendTimes]
 
+    @functools.cached_property
+    def _ratios_by_length(self) -> dict[tuple[str, str], dict[int, float]]:
+        """FLASH/Triton ratios by (pattern, pass), then length: grouped once, read per planned call."""
+        grouped: dict[tuple[str, str], dict[int, float]] = {}
+        for (pattern, pass_name, length), times in self.rows.items():
+            grouped.setdefault((pattern, pass_name), {})[length] = times.flash_ratio
+        return grouped
+
     def flash_ratio(self, pattern: str, pass_name: str, length: int) -> float | None:
         """FLASH's time over Triton's for ``pattern`` (a ``Pattern.name``) at ``length`` (see the module
         docstring); None where the table has no row for the pattern and pass, or ``length`` is below its
         shortest row."""
-        ratios = {length_: times.flash_ratio for (pattern_, pass_, length_), times in self.rows.items()
-                  if (pattern_, pass_) == (pattern, pass_name)}
+        ratios = self._ratios_by_length.get((pattern, pass_name))
         if not ratios or length < min(ratios):
             return None
         lengths = sorted(ratios)
