@@ -210,9 +210,11 @@ def test_costs_rank_the_default_executors():
 
 
 def test_a_sparse_kv_cache_groups_heads_as_the_executors_say():
-    """cache_groups asks each executor in order for the head's cache kind: the default set gives full, ESA's own
-    kind, keep and ring groups; a set without SDPA or ESA keeps every key of every head; a set naming none is a
+    """cache_groups asks each executor in order whether it decodes the head's pattern: the default set gives an
+    every-key group (SDPA), ESA's own group, a group the plan reads whole and a ring; a set without SDPA or ESA
+    leaves every head to the plan (one group); a set that neither decodes a pattern nor runs a plan is a
     ValueError."""
+    from flexsparse.cache import StoreKind
     from flexsparse.integrations.layer import cache_groups
     from flexsparse.runtime.esa_executor import EsaExecutor
 
@@ -220,11 +222,11 @@ def test_a_sparse_kv_cache_groups_heads_as_the_executors_say():
     flex = FlexExecutor(patterns)
     default = [SdpaExecutor(), EsaExecutor(), flex]
     groups = cache_groups(patterns, [3, 0, 1, 2, 0], default)
-    assert [(g.kind, g.kv_heads, type(g.executor)) for g in groups] == [
-        ("full", (1, 4), SdpaExecutor), ("esa", (2,), EsaExecutor), ("keep", (3,), FlexExecutor),
-        ("ring", (0,), SdpaExecutor)]
-    assert groups[1].pattern is patterns[1] and groups[3].window is patterns[3]
-    keep_all = cache_groups(patterns, [3, 0, 1, 2, 0], [flex])
-    assert [(g.kind, g.kv_heads) for g in keep_all] == [("keep", (0, 1, 2, 3, 4))]
-    with pytest.raises(ValueError, match="no executor keeps and decodes pattern SinkWindow"):
+    assert [(g.store_kind, g.kv_heads, type(g.decoder)) for g in groups] == [
+        (StoreKind.EVERY_KEY, (1, 4), SdpaExecutor), (StoreKind.EVERY_KEY, (2,), EsaExecutor),
+        (StoreKind.EVERY_KEY, (3,), type(None)), (StoreKind.RING, (0,), SdpaExecutor)]
+    assert groups[1].pattern is patterns[1] and groups[3].pattern is patterns[3] and groups[2].pattern is None
+    plan_only = cache_groups(patterns, [3, 0, 1, 2, 0], [flex])
+    assert [(g.decoder, g.kv_heads) for g in plan_only] == [(None, (0, 1, 2, 3, 4))]
+    with pytest.raises(ValueError, match="no executor decodes pattern SinkWindow"):
         cache_groups(patterns, [3, 0], [SinkWindowSlices()])

@@ -24,7 +24,7 @@ def test_entries_are_built_once_per_key():
     first = state.real_counts(5, build(5))
     assert state.real_counts(5, build(50)) is first and calls == [5]
     assert state.real_counts(6, build(6)).item() == 6 and calls == [5, 6]  # another key
-    assert state.ring_filled(5, 8, build(1)) is not state.ring_filled(5, 9, build(2))  # keyed by capacity too
+    assert state.capacity_positions(8, build(1)) is not state.capacity_positions(9, build(2))  # another capacity
     assert state.positions(lambda: None) is None
     assert state.positions(lambda: pytest.fail("None is a stored value, not a missing one")) is None
     assert ForwardState().real_counts(5, build(7)).item() == 7  # another forward: its own entries
@@ -82,10 +82,11 @@ def test_converted_llama_builds_shared_entries_once_per_forward(monkeypatch):
         model(ids, attention_mask=mask)
     assert (tables.calls, tiles.calls) == (1, 2)  # not one per layer (3 layers)
 
-    ring_slots = _Counter(monkeypatch, ForwardState, "ring_write_slot")
-    from flexsparse.integrations import kv_cache
-    slot_builds = _Counter(monkeypatch, kv_cache, "ring_slot_of")
+    from flexsparse.cache import views
+
+    views_built = _Counter(monkeypatch, views.StepViews, "_ring_step")
+    slot_builds = _Counter(monkeypatch, views, "ring_slot_of")
     out = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
     steps = 2  # the first new token comes from the prefill
-    assert ring_slots.calls == steps * LAYERS and slot_builds.calls == steps
+    assert views_built.calls == steps * LAYERS and slot_builds.calls == steps
     assert out.shape == (2, 16)

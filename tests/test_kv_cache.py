@@ -6,7 +6,7 @@ import torch
 
 from flexsparse.integrations import SparseKVCache, convert, kv_memory_formula
 from flexsparse.integrations.forward_mask import ForwardMask
-from flexsparse.integrations.kv_cache import ring_slot_of, ring_slot_positions
+from flexsparse.cache import ring_slot_of, ring_slot_positions
 from flexsparse.integrations.transformers import flexsparse_attention, flexsparse_mask
 from flexsparse.masks import ESA, Causal, SinkWindow, TriangleMix
 from tests.hf_util import (
@@ -80,21 +80,23 @@ def test_all_full_cache_has_the_size_of_dynamic_cache():
 
 def test_buffer_capacities():
     """A known maximum length: every buffer holds exactly that (rings at most sink + window). Without one: the
-    growth grid, rings capped at sink + window. Only "keep" heads (here a union) under compiled flex take flex
-    buckets (block_size x 2^k). Full, ESA and TriangleMix heads keep every key alike."""
+    growth grid, rings capped at sink + window. Only heads no executor decodes (here a union), whose store the
+    plan reads whole under compiled flex, take flex buckets (block_size x 2^k). Full, ESA and TriangleMix heads keep every key alike."""
     esa = ESA(0, 1, 3, 4)
     patterns = {**PATTERNS, "esa": esa, "tm": TriangleMix(1, 4, 2), "mix": SinkWindow(0, 3) | esa}
     model = convert(tiny_model("llama"), patterns, [["full", "esa"], ["ssa", "mix"], ["tm", "ssa2"]],
                     block_size=16, backend="flex")  # no forward runs: only the allocation policy
-    assert [[g.kind for g in layer.flexsparse.groups] for layer in (m.self_attn for m in model.model.layers)] == [
-        ["full", "esa"], ["keep", "ring"], ["full", "ring"]]
+    described = [[(g.store_kind.value, g.decoder.name if g.decoder else "plan") for g in layer.flexsparse.groups]
+                 for layer in (m.self_attn for m in model.model.layers)]
+    assert described == [[("every key", "sdpa"), ("every key", "esa")], [("every key", "plan"), ("ring", "sdpa")],
+                         [("every key", "sdpa"), ("ring", "sdpa")]]
     key = torch.zeros(2, KV_HEADS, 7, HEAD_DIM)
 
     def capacities(cache):
         for index in range(LAYERS):
             cache.update(key, key, index)
             model.model.layers[index].self_attn.flexsparse.take_staged(key, key)
-        return [[group.capacity for group in layer.groups] for layer in cache.layers]
+        return [[store.capacity for store in layer.stores] for layer in cache.layers]
 
     assert capacities(SparseKVCache(model, max_length=40)) == [[40, 40], [64, 8], [40, 5]]
     assert capacities(SparseKVCache(model, max_length=4)) == [[7, 7], [16, 7], [7, 5]]
@@ -136,7 +138,7 @@ def test_ring_grows_past_a_given_max_length():
     pieces = [forward_logits(model, ids[:, :3], mask[:, :3], cache)]
     pieces += [forward_logits(model, ids[:, t:t + 1], mask[:, :t + 1], cache) for t in range(3, 12)]
     torch.testing.assert_close(torch.cat(pieces, 1), expected, atol=1e-4, rtol=0)
-    assert [[g.capacity for g in layer.groups] for layer in cache.layers] == [[16, 8], [5], [16, 8]]
+    assert [[s.capacity for s in layer.stores] for layer in cache.layers] == [[16, 8], [5], [16, 8]]
 
 
 def test_right_padded_decode_equals_each_sequence_alone():
@@ -271,7 +273,7 @@ def test_decode_path_follows_the_padding_layout(layout, one_launch, monkeypatch)
 
     def spy(self, q, key, value, mask, scale):
         out = original(self, q, key, value, mask, scale)
-        calls.append(self.layout)
+        calls.append(self.layout.value)
         return out
 
     def cuda_only(*args, **kwargs):

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flexsparse.integrations import SparseKVCache, convert, kv_memory_formula
-from flexsparse.integrations.kv_cache import GROWTH_STEPS, grown_capacity
+from flexsparse.cache import GROWTH_STEPS, StoreKind, grown_capacity
 from flexsparse.integrations.transformers import flexsparse_attention, flexsparse_mask
 from flexsparse.masks import ESA, Causal, SinkWindow, TriangleMix, XAttention
 from tests.hf_util import (
@@ -101,7 +101,7 @@ def test_buffers_across_a_long_generation(kind, backend):
     model = converted(kind, backend)
     cache = SparseKVCache(model)
     _step(model, cache, 100)
-    seen = [[{group.capacity} for group in layer.groups] for layer in cache.layers]
+    seen = [[{store.capacity} for store in layer.stores] for layer in cache.layers]
     for step in range(3000):
         _step(model, cache, 1)
         tokens = 101 + step
@@ -112,21 +112,21 @@ def test_buffers_across_a_long_generation(kind, backend):
         if tokens > 256:
             assert report.overhead < 1 / GROWTH_STEPS, f"after {tokens} tokens"
         for layer, capacities in zip(cache.layers, seen):
-            for group, found in zip(layer.groups, capacities):
-                found.add(group.capacity)
-                assert group.capacity >= min(tokens, getattr(group, "full_size", tokens))
+            for store, found in zip(layer.stores, capacities):
+                found.add(store.capacity)
+                assert store.capacity >= min(tokens, store.fixed_size or tokens)
     grid = {grown_capacity(tokens) for tokens in range(100, 3101)}  # 67 capacities: 16 per doubling past 256
     for layer, capacities in zip(cache.layers, seen):
-        for group, found in zip(layer.groups, capacities):
-            assert found == ({c for c in grid if c < 302} | {302} if group.group.kind == "ring" else grid)
-    assert [g.group.kind for g in cache.layers[1].groups][-1] == "ring"
+        for store, found in zip(layer.stores, capacities):
+            assert found == ({c for c in grid if c < 302} | {302} if store.kind is StoreKind.RING else grid)
+    assert cache.layers[1].stores[-1].kind is StoreKind.RING
 
     known = SparseKVCache(model, max_length=400)
     _step(model, known, 100)
-    first = [group.keys for layer in known.layers for group in layer.groups]
+    first = [store.keys for layer in known.layers for store in layer.stores]
     for _ in range(300):
         _step(model, known, 1)
-    assert all(group.keys is keys for group, keys in zip((g for layer in known.layers for g in layer.groups), first))
+    assert all(store.keys is keys for store, keys in zip((s for layer in known.layers for s in layer.stores), first))
     assert known.memory_report().overhead == 0.0
     assert known.memory_bytes() == kv_memory_formula(model, 2, 400, torch.float32)
 
@@ -140,7 +140,9 @@ def test_keep_heads_under_compiled_flex_keep_flex_buckets():
     _step(model, cache, 100)
     for _ in range(60):
         _step(model, cache, 1)
-    assert [[g.group.kind, g.capacity] for g in cache.layers[0].groups] == [["full", 160], ["keep", 256]]
+    layer = cache.layers[0]
+    assert [(g.decoder.name if g.decoder else "plan", s.capacity) for g, s in zip(layer.groups, layer.stores)] == [
+        ("sdpa", 160), ("plan", 256)]
 
 
 # ----- memory against DynamicCache ---------------------------------------------------------------------------------
@@ -204,7 +206,7 @@ def test_teacher_forced_decode_equals_a_dynamic_cache_across_growth(kind, layout
     for start, stop in [(0, 250)] + [(t, t + 1) for t in range(250, 290)] + [(290, 295)]:
         for name, cache in (("sparse", sparse), ("dynamic", dynamic)):
             pieces[name].append(forward_logits(model, ids[:, start:stop], mask[:, :stop], cache))
-        capacities.add(sparse.layers[0].groups[0].capacity)
+        capacities.add(sparse.layers[0].stores[0].capacity)
     assert capacities == {256, 272, 288, 304}
     real = mask.bool()
     got, expected = torch.cat(pieces["sparse"], 1)[real], torch.cat(pieces["dynamic"], 1)[real]
@@ -245,12 +247,12 @@ def test_one_launch_decode_serves_full_and_full_decoding_heads(kind, monkeypatch
     extra = torch.randint(1, 90, (2, 6), generator=torch.Generator().manual_seed(4))
     ids, mask = torch.cat([ids, extra], 1), torch.cat([mask, torch.ones_like(extra)], 1)
     sparse, dynamic = SparseKVCache(model, one_launch_decode=True), transformers.DynamicCache()
-    assert [len(layer.groups) for layer in sparse.layers] == [1, 2, 1]
+    assert [len(layer.stores) for layer in sparse.layers] == [1, 2, 1]
     got, expected = [], []
     for start, stop in [(0, 30)] + [(t, t + 1) for t in range(30, 36)]:
         got.append(forward_logits(model, ids[:, start:stop], mask[:, :stop], sparse))
         expected.append(forward_logits(model, ids[:, start:stop], mask[:, :stop], dynamic))
-    assert sparse.layers[0].groups[0].capacity == 48  # grew from 32 at token 33
+    assert sparse.layers[0].stores[0].capacity == 48  # grew from 32 at token 33
     assert len(calls) == 6 * LAYERS
     real = mask.bool()
     torch.testing.assert_close(torch.cat(got, 1)[real], torch.cat(expected, 1)[real], atol=1e-4, rtol=0)

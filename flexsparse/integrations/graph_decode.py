@@ -29,7 +29,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
-from flexsparse.integrations.kv_cache import DeviceSteps, SparseKVCache
+from flexsparse.cache import DeviceSteps
+from flexsparse.integrations.kv_cache import SparseKVCache
 from flexsparse.integrations.layer import SparseAttentionLayer
 from flexsparse.kernels.availability import kernel_unavailable
 
@@ -155,7 +156,7 @@ class GraphDecoder:
         return self._logits.clone()
 
     def _cache_buffers(self) -> list[Tensor]:
-        return [t for layer in self.cache.layers for group in layer.groups for t in (group.keys, group.values)]
+        return [t for layer in self.cache.layers for store in layer.stores for t in (store.keys, store.values)]
 
     def _check_buffers(self) -> None:
         """The graph writes and reads the buffers it was recorded with: refuse when the cache holds others."""
@@ -171,15 +172,17 @@ class GraphDecoder:
 
 def decode_graphs_refusal_of(layers: Sequence[SparseAttentionLayer]) -> str | None:
     """Why a model of these converted layers cannot graph its decode steps whatever the device and prompt (None:
-    it can, given a CUDA device and at most a left-padded prompt): routed layers, heads other than full and
-    token-exact SinkWindow ones, more than two head groups in a layer."""
+    it can, given a CUDA device and at most a left-padded prompt): routed layers, heads whose decode reads their
+    own pattern (not every earlier key, nor a sink and window), more than two head groups in a layer."""
     for layer in layers:
         if layer.router is not None:
             return f"{layer.where} is routed (its modes are chosen per sequence, so generate() uses a DynamicCache)"
-        kinds = sorted({group.kind for group in layer.groups} - {"full", "ring"})
-        if kinds:
-            return (f"{layer.where} has {', '.join(map(repr, kinds))} heads, which decode through their own "
-                    "executors; decode graphs take full and token-exact SinkWindow heads only")
+        own = [group for group in layer.groups
+               if group.pattern is None or not group.pattern.decode_reads.attends_every_stored_key]
+        if own:
+            which = repr(own[0].pattern) if own[0].pattern is not None else "mixed"
+            return (f"{layer.where} has {which} heads (KV heads {list(own[0].kv_heads)}), whose decode reads their "
+                    "own pattern; decode graphs take heads whose decode reads every earlier key or a sink and window")
         if len(layer.groups) > 2:
             return f"{layer.where} has {len(layer.groups)} head groups; the one-launch decode step takes two at most"
     return None

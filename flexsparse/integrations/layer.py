@@ -1,42 +1,32 @@
 """What a converted attention module carries: its HybridAttention, its modes, and how a sparse KV cache groups its
 heads.
 
-A KV head's pattern decides what the cache keeps for it and how a one-token decode step reads it
-(:class:`CacheGroup`); the layer's executors say which (:meth:`~flexsparse.runtime.executors.Executor.cache_kind`,
-the first executor in preference order that names one):
+A KV head's pattern decides what the cache keeps for it (:func:`~flexsparse.cache.stores.store_kind`: a sink + window
+ring, or every key) and the layer's executors say who decodes it (:meth:`~flexsparse.runtime.executors.Executor.
+decodes`, the first in preference order). :func:`cache_groups` groups the heads so that each group is one store and
+one decoder call per step:
 
-* ``"full"`` (SDPA's): heads whose decode query attends every earlier key: full causal patterns, XAttention (it
-  decodes as full attention) and TriangleMix (a decode query is in its last-queries band). They keep every key and
-  decode over the filled slots without a mask (SDPA, the ranged decode kernel);
-* an executor's own name, e.g. ``"esa"`` (one group per mode): heads that keep every key and decode through the
-  executor's ``decode_step`` (ESA's gather, its Triton kernel on CUDA, reads the ``attn_length`` keys of the new
-  token only);
-* ``"keep"`` (flex's and dense's): other patterns that read arbitrary history (combinations, SinkWindow with
-  ``unit > 1``, PerHead, ...) keep every key and run every call through the layer's plan (compiled flex under the
-  flex backends);
-* ``"ring"`` (SDPA's): token-exact :class:`~flexsparse.masks.SinkWindow` heads keep only the sink and the last
-  ``window`` keys, in a ring buffer (one group per SinkWindow mode).
+* heads whose decode reads every earlier key (full causal, XAttention, TriangleMix), one group per decoder;
+* heads of one pattern that an executor decodes from its own keys (ESA's gather), one group per mode;
+* heads that no executor decodes (combinations, SinkWindow with ``unit > 1``, PerHead, ...): one group whose
+  store the layer's plan reads whole (compiled flex under the flex backends);
+* sink + window heads: one ring per (sink, window).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
-
 import torch
 from torch import Tensor, nn
 
 from flexsparse.attention import HybridAttention
+from flexsparse.cache.stores import StoreKind, store_kind
 from flexsparse.heads import query_heads
-from flexsparse.masks import Pattern, SinkWindow
+from flexsparse.masks import DecodeReads, Pattern
 from flexsparse.routers import Boundary, Router, Routing
 from flexsparse.runtime.executors import Executor
-
-GroupKind = Literal["full", "keep", "ring"] | str
-""""full", "keep", "ring", or the name of the executor that decodes the group's heads itself."""
-
 
 @dataclass
 class RouterSettings:
@@ -59,47 +49,53 @@ class RouterSettings:
 
 @dataclass(frozen=True)
 class CacheGroup:
-    """KV heads of a layer that share a cache buffer, and the executor that decodes them. ``pattern``: the one
-    SinkWindow of a ring group, the one pattern of a group its executor decodes itself (None for the other kinds)."""
+    """KV heads of a layer that share a cache store, and who decodes them. ``pattern``: the heads' pattern for
+    their decoder (for every-key heads the first head's: they all read every earlier key); None for heads no
+    executor decodes (several patterns; the layer's plan reads their store whole). ``decoder``: the first executor
+    that :meth:`~flexsparse.runtime.executors.Executor.decodes` the pattern (None: the plan)."""
 
-    kind: GroupKind
     kv_heads: tuple[int, ...]
-    executor: Executor
-    pattern: Pattern | None = None
+    pattern: Pattern | None
+    decoder: Executor | None
 
     @property
-    def window(self) -> SinkWindow | None:
-        """The SinkWindow of a ring group (None for the other kinds)."""
-        return self.pattern if self.kind == "ring" else None
+    def store_kind(self) -> StoreKind:
+        return StoreKind.EVERY_KEY if self.pattern is None else store_kind(self.pattern)
 
     def q_heads(self, group_size: int) -> list[int]:
         """The query heads of these KV heads (GQA groups of ``group_size``)."""
         return query_heads(self.kv_heads, group_size)
 
 
-_KIND_ORDER = {"full": 0, "keep": 2, "ring": 3}  # an executor's own kind between full and keep
+def _group_key(pattern: Pattern, mode: int, decoder: Executor | None) -> tuple[int, Hashable]:
+    """(order, identity) of a head's group: every-key heads first, then own-pattern decoders, the plan, rings."""
+    reads = pattern.decode_reads
+    if decoder is None:
+        return 2, "plan"
+    if reads is DecodeReads.EVERY_EARLIER_KEY:
+        return 0, id(decoder)
+    if reads is DecodeReads.SINK_AND_WINDOW:
+        return 3, (pattern.sink, pattern.window, id(decoder))
+    return 1, mode
 
 
 def cache_groups(patterns: Sequence[Pattern], modes: Sequence[int], executors: Sequence[Executor]) -> list[CacheGroup]:
-    """Groups of the KV heads by what the cache keeps for them and how they decode, as the first of ``executors``
-    (preference order) that names a kind for the head's pattern says: full, one group per mode for executors that
-    decode heads themselves, keep, then one ring per SinkWindow mode."""
-    kinds: dict[tuple, list[int]] = {}
-    owners: dict[tuple, Executor] = {}
+    """The KV heads grouped by store and decoder (see the module docstring); ``executors`` in preference order.
+    ValueError when a head's pattern has no decoder and no executor runs a plan over a whole store (one that
+    ``fuses``: flex or dense)."""
+    members: dict[tuple[int, Hashable], list[int]] = {}
+    owners: dict[tuple[int, Hashable], tuple[Pattern, Executor | None]] = {}
     for head, mode in enumerate(modes):
         pattern = patterns[mode]
-        kind, executor = next(((e.cache_kind(pattern), e) for e in executors if e.cache_kind(pattern) is not None),
-                              (None, None))
-        if kind is None:
-            raise ValueError(f"no executor keeps and decodes pattern {pattern!r} in a sparse KV cache; executors: "
-                             f"{[e.name for e in executors]}")
-        key = (kind, -1) if kind in ("full", "keep") else (kind, mode)
-        kinds.setdefault(key, []).append(head)
-        owners.setdefault(key, executor)
-    order = sorted(kinds, key=lambda key: (_KIND_ORDER.get(key[0], 1), key[0] if key[0] not in _KIND_ORDER else "",
-                                           key[1]))
-    return [CacheGroup(kind, tuple(kinds[(kind, mode)]), owners[(kind, mode)], None if mode < 0 else patterns[mode])
-            for kind, mode in order]
+        decoder = next((e for e in executors if e.decodes(pattern)), None)
+        if decoder is None and not any(e.fuses for e in executors):
+            raise ValueError(f"no executor decodes pattern {pattern!r} in a sparse KV cache, and none runs a plan "
+                             f"over its store (flex or dense); executors: {[e.name for e in executors]}")
+        key = _group_key(pattern, mode, decoder)
+        members.setdefault(key, []).append(head)
+        owners.setdefault(key, (pattern, decoder))
+    return [CacheGroup(tuple(members[key]), None if owners[key][1] is None else owners[key][0], owners[key][1])
+            for key in sorted(members, key=lambda key: (key[0], members[key][0]))]
 
 
 class SparseAttentionLayer(nn.Module):

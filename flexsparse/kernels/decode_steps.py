@@ -1,4 +1,4 @@
-"""One launch for a decode step's device-side bounds (:class:`~flexsparse.integrations.kv_cache.DeviceSteps`).
+"""One launch for a decode step's device-side bounds (:class:`~flexsparse.cache.device_steps.DeviceSteps`).
 
 Before each replayed decode step the sparse cache computes, from its device counters, every group's slot range and
 write slot and the model's positions, then advances the counters. As separate PyTorch ops that is about a dozen
@@ -13,7 +13,7 @@ Per row b (``tokens`` the slots filled so far, ``real[b]`` the real tokens among
 * ``position_ids[b] = next_positions[b]``, ``cache_position = tokens``;
 
 then ``tokens``, ``real`` and ``next_positions`` advance by one: the PyTorch ops of
-:meth:`~flexsparse.integrations.kv_cache.DeviceSteps.begin_step` off CUDA, in one program.
+:meth:`~flexsparse.cache.device_steps.DeviceSteps.begin_step` off CUDA, in one program.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Attention patterns: composable FlexAttention mask_mod / BlockMask generators over token positions, with dense
 references."""
 
-from flexsparse.masks.base import Intersection, MaskMod, Pattern, Union, pattern_class, registered_patterns
+from flexsparse.masks.base import (DecodeReads, Intersection, MaskMod, Pattern, Union, pattern_class,
+                                   registered_patterns)
 from flexsparse.masks.block_table import BlockTable
 from flexsparse.masks.blocks import BlockMaskStack, block_density, block_mask_from_classes
 from flexsparse.masks.combine import PerHead, PerLayer, dispatch_mask_mod, gather_heads
@@ -18,6 +19,7 @@ __all__ = [
     "BlockMaskStack",
     "BlockTable",
     "Causal",
+    "DecodeReads",
     "ESA",
     "Geometry",
     "Intersection",

@@ -21,6 +21,8 @@ all heads alike; both broadcast. Every pattern is causal: a key at a later posit
 
 from __future__ import annotations
 
+import enum
+
 import functools
 import inspect
 import numbers
@@ -134,6 +136,25 @@ def run_lengths(first: Tensor, last: Tensor) -> Tensor:
     return torch.clamp(last - first + 1, min=0).sum(0)
 
 
+class DecodeReads(enum.Enum):
+    """What a one-token decode query of a pattern reads among the earlier keys, which decides what a sparse KV cache
+    keeps for the pattern's heads and who decodes them (:attr:`Pattern.decode_reads`)."""
+
+    EVERY_EARLIER_KEY = "every earlier key"
+    """Every key up to the query (full causal attention, and patterns whose last query is inside a full band)."""
+    SINK_AND_WINDOW = "sink and window"
+    """Exactly the first ``sink`` and the last ``window`` keys: a cache keeps them in a ring of ``sink + window``
+    slots, every one of which the query attends (the pattern has ``sink`` and ``window`` attributes)."""
+    OWN_PATTERN = "own pattern"
+    """Some keys, as the pattern's own mask says: the cache keeps every key, and an executor that decodes the
+    pattern (or a plan over the whole buffer) selects them."""
+
+    @property
+    def attends_every_stored_key(self) -> bool:
+        """Whether the query attends every key a store of what it reads holds (every key, or the ring)."""
+        return self is not DecodeReads.OWN_PATTERN
+
+
 class Pattern(ABC):
     """An attention pattern. Subclasses implement the capabilities for a :class:`Geometry`.
 
@@ -218,6 +239,12 @@ class Pattern(ABC):
         ``query_heads`` (int64 ``[H']``): q holds only these query heads of the layer (k their KV heads); the
         result still describes the layer's ``geo.num_heads`` heads (rows of other heads are never read)."""
         return self
+
+    @property
+    def decode_reads(self) -> DecodeReads:
+        """What a one-token decode query reads (:class:`DecodeReads`): every earlier key for a full static pattern,
+        else its own pattern; a subclass whose decode reads less states it (a class attribute or property)."""
+        return DecodeReads.EVERY_EARLIER_KEY if self.is_full and not self.is_dynamic else DecodeReads.OWN_PATTERN
 
     @property
     def is_dynamic(self) -> bool:

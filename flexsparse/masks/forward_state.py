@@ -2,7 +2,8 @@
 
 A forward's layers share their position tables, and with them what is derived from those tables (key slots, tile
 bounds, the tables at a compiled bucket, a batch part's rows, block masks) and, in the transformers integration,
-from the padding mask (its layout, a sparse KV cache's per-row slots and ranges, a router's pooling boundary). One
+from the padding mask (its layout, real-token counts, a router's pooling boundary). A sparse KV cache keeps its
+own per-forward entries (:class:`~flexsparse.cache.views.StepViews`). One
 state belongs to one set of tables: :class:`~flexsparse.masks.geometry.Positions` holds it (and the
 :class:`~flexsparse.integrations.forward_mask.ForwardMask` that built them), so building the Positions (or the mask)
 once per forward and passing it to every layer computes each entry once per forward. Tables derived from others
@@ -51,15 +52,6 @@ class ForwardState:
         self._contiguous_tables: Positions | None = None
         self._capacity_positions: dict[int, Positions] = {}
         self._real_counts: dict[int, Tensor] = {}
-        # of a sparse KV cache's decode step
-        self._constants: dict[int, Tensor] = {}
-        self._left_ranges: dict[int, Tensor] = {}
-        self._visible: dict[tuple, tuple[Tensor, Tensor]] = {}
-        self._cache_key_slots: dict[int, Tensor] = {}
-        self._ring_positions: dict[tuple[int, int, int, int], Tensor] = {}
-        self._ring_step_slots: dict[tuple[int, int], Tensor] = {}
-        self._ring_write_slots: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
-        self._ring_filled: dict[tuple[int, int], Tensor] = {}
         # of a routed layer
         self._router_boundaries: dict[tuple, tuple[Tensor | None, Any]] = {}
 
@@ -128,42 +120,6 @@ class ForwardState:
     def real_counts(self, tokens: int, build: Callable[[], Tensor]) -> Tensor:
         """Real tokens among the first ``tokens``, per row."""
         return _entry(self._real_counts, tokens, build)
-
-    # ----- of a sparse KV cache ----------------------------------------------------------------------------
-
-    def constant(self, value: int, build: Callable[[], Tensor]) -> Tensor:
-        """``value`` for every row (a stride-0 view)."""
-        return _entry(self._constants, value, build)
-
-    def left_ranges(self, tokens: int, build: Callable[[], Tensor]) -> Tensor:
-        """First slot of each row's real tokens among ``tokens`` (after a left-padded prompt)."""
-        return _entry(self._left_ranges, tokens, build)
-
-    def visible(self, slots: tuple, build: Callable[[], tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
-        """The slots a one-token step's query reads, and the queries that read none. ``slots`` names the buffer:
-        ``("every key", tokens)`` or ``("ring", sink, window, capacity, tokens)``."""
-        return _entry(self._visible, slots, build)
-
-    def cache_key_slots(self, tokens: int, build: Callable[[], Tensor]) -> Tensor:
-        """The slot of each key position among ``tokens`` filled slots, int32 (a decode kernel's argument)."""
-        return _entry(self._cache_key_slots, tokens, build)
-
-    def ring_positions(self, sink: int, window: int, capacity: int, tokens: int, build: Callable[[], Tensor]) -> Tensor:
-        """Position held by each slot of a ``sink``/``window`` ring of ``capacity`` slots after ``tokens``."""
-        return _entry(self._ring_positions, (sink, window, capacity, tokens), build)
-
-    def ring_step_slot(self, sink: int, window: int, build: Callable[[], Tensor]) -> Tensor:
-        """The ring slot a decode step's token goes to, per row."""
-        return _entry(self._ring_step_slots, (sink, window), build)
-
-    def ring_write_slot(self, sink: int, window: int,
-                        build: Callable[[], tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
-        """(rows, slot) a decode step writes its token to, in every layer of a ``sink``/``window`` ring."""
-        return _entry(self._ring_write_slots, (sink, window), build)
-
-    def ring_filled(self, tokens: int, capacity: int, build: Callable[[], Tensor]) -> Tensor:
-        """Filled slots of a ``capacity``-slot ring after ``tokens``, per row."""
-        return _entry(self._ring_filled, (tokens, capacity), build)
 
     # ----- of a routed layer ----------------------------------------------------------------------------
 

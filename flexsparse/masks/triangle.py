@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flexsparse.masks.base import MaskMod, Pattern
+from flexsparse.masks.base import DecodeReads, MaskMod, Pattern
 from flexsparse.masks.geometry import EMPTY, FULL, Geometry, classify
 from flexsparse.masks.window import Causal, SinkWindow
 from flexsparse.validation import as_int
@@ -22,6 +22,7 @@ class TriangleMix(Pattern):
     """Sink + window below, a full-attention band for the last ``last_q`` queries."""
 
     name = "triangle_mix"
+    decode_reads = DecodeReads.EVERY_EARLIER_KEY  # the new token is the last position, inside the full band
 
     def __init__(self, sink: int = 128, window: int = 2048, last_q: int = 128) -> None:
         self.local = SinkWindow(sink=sink, window=window)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flexsparse.masks.base import MaskMod, Pattern
+from flexsparse.masks.base import DecodeReads, MaskMod, Pattern
 from flexsparse.masks.geometry import Geometry, classify
 from flexsparse.validation import as_int
 
@@ -61,6 +61,11 @@ class SinkWindow(Pattern):
         self.unit = as_int("unit", unit, minimum=1)
         if self.sink % self.unit or self.window % self.unit:
             raise ValueError(f"sink ({sink}) and window ({window}) must be multiples of unit ({unit})")
+
+    @property
+    def decode_reads(self) -> DecodeReads:
+        """Token-exact (``unit == 1``): exactly the sink and the window; block-granular: its own pattern."""
+        return DecodeReads.SINK_AND_WINDOW if self.unit == 1 else DecodeReads.OWN_PATTERN
 
     def __repr__(self) -> str:
         unit = f", unit={self.unit}" if self.unit > 1 else ""

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from flexsparse.masks.base import Pattern
+from flexsparse.masks.base import DecodeReads, Pattern
 from flexsparse.masks.block_table import BlockTable
 from flexsparse.masks.geometry import Geometry
 from flexsparse.masks.window import Causal
@@ -53,6 +53,7 @@ class XAttention(Pattern):
     """
 
     name = "xattention"
+    decode_reads = DecodeReads.EVERY_EARLIER_KEY  # decode resolves to full causal attention
 
     def __init__(self, threshold: float | Sequence[float] | Tensor = 0.9, stride: int = 16,
                  block_size: int = 128, compile: bool | None = None, rule: Rule = "plus_one") -> None:

@@ -5,7 +5,7 @@ partial. The gather kernel reads each query's ``attn_length`` keys directly. It 
 (the kernel's ``head_offset`` gives each head its own shifts), so in a mixed layer the ESA heads run here beside full
 heads on SDPA and sink+window heads on flex. CPU calls and head dims the kernel does not take (not a power of two in
 [16, 256]) keep ESA heads on flex. In a sparse KV cache, ESA heads keep every key and a one-token step gathers the
-new token's keys (:meth:`EsaExecutor.decode_step`: the kernel on CUDA, its PyTorch form elsewhere).
+new token's keys (:meth:`EsaExecutor.decode`: the kernel on CUDA, its PyTorch form elsewhere).
 
 The crossover with flex is measured, not guessed (:mod:`flexsparse.runtime.esa_kernel_table`): where the table has
 rates for a call, the kernel is priced at its measured rate, and where flex measured faster the executor declines
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -28,8 +29,12 @@ from flexsparse.kernels.availability import kernels_preferred_on
 from flexsparse.kernels.esa_reference import esa_attention_reference, supports_head_dim
 from flexsparse.masks.base import Pattern
 from flexsparse.runtime.call import AttentionCall, GroupModes, HeadSelection
+from flexsparse.runtime.cost import HBM_BYTES_PER_S
 from flexsparse.runtime.esa_kernel_table import measured_rates
 from flexsparse.runtime.executors import Executor
+
+if TYPE_CHECKING:
+    from flexsparse.runtime.decode import DecodeCall
 
 SECONDS_PER_QUERY_KEY = 13.5e-3 / (131072 * 32 * 64)
 """The gather kernel's forward time per (query head, attended key) at head dim 128 where the measured table does
@@ -100,8 +105,16 @@ class EsaExecutor(Executor):
             seconds_per_query += min(pattern.attn_length, call.geometry.kv_len) * rate
         return batch * call.group_size * q_len * seconds_per_query
 
-    def cache_kind(self, pattern: Pattern) -> str | None:
-        return self.name if pattern.name in self.pattern_names else None
+    def decodes(self, pattern: Pattern) -> bool:
+        return pattern.name in self.pattern_names
+
+    def decode_cost(self, call: DecodeCall) -> float:
+        """Each query reads its ``attn_length`` keys (at most the filled slots) at the device's bandwidth."""
+        (group,) = call.groups
+        keys = group.store.keys
+        batch, heads, _, dim = keys.shape
+        slots = min(group.pattern.attn_length, group.view.filled)
+        return 2 * batch * heads * slots * dim * keys.element_size() / HBM_BYTES_PER_S
 
     def run(self, call: AttentionCall, patterns: Sequence[Pattern | None], modes: GroupModes,
             heads: HeadSelection) -> Tensor:
@@ -122,20 +135,22 @@ class EsaExecutor(Executor):
                 call.scale, q_positions=q_positions, key_slots=key_slots, head_offset=layer * group))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
 
-    def decode_step(self, q: Tensor, keys: Tensor, values: Tensor, pattern: Pattern, kv_heads: Sequence[int],
-                    scale: float | None, q_positions: Tensor | None = None,
-                    key_slots: Tensor | None = None) -> Tensor:
-        """One new token per sequence of the layer's KV heads ``kv_heads`` (one ESA pattern), q ``[B, H_g, 1, d]``,
-        against the filled cache slots ``keys``/``values`` ``[B, len(kv_heads), S, d]``; ``q_positions`` and
-        ``key_slots`` as :func:`~flexsparse.kernels.esa.esa_attention` takes them (None: slot t holds position t).
-        One call per run of consecutive KV heads (the kernel takes whole KV groups of the layer's heads)."""
+    def decode(self, call: DecodeCall) -> Tensor:
+        """One new token per sequence of one ESA group, q ``[B, H_g, 1, d]``, against the store's filled slots: the
+        new token's ``attn_length`` keys, gathered by the kernel on CUDA, its PyTorch form elsewhere; with padding
+        the view's query positions and the slot of each key position. One call per run of consecutive KV heads
+        (the kernel takes whole KV groups of the layer's heads)."""
+        (group,) = call.groups
+        q, view = group.q, group.view
+        keys, values = group.store.keys[:, :, :view.filled], group.store.values[:, :, :view.filled]
+        q_positions, key_slots = view.positions() if view.positions is not None else (None, None)
         if supports_head_dim(q.shape[-1]) and kernels_preferred_on(q.device):
             from flexsparse.kernels.esa import esa_attention as attend  # triton: imported where it runs
         else:
             attend = esa_attention_reference
-        group, rule = q.shape[1] // keys.shape[1], pattern.index_rule
-        outputs = [attend(q[:, first * group:(first + count) * group], keys[:, first:first + count],
-                          values[:, first:first + count], rule, scale, q_positions=q_positions,
-                          key_slots=key_slots, head_offset=head * group)
-                   for first, count, head in _consecutive_runs(tuple(kv_heads))]
+        size, rule = q.shape[1] // keys.shape[1], group.pattern.index_rule
+        outputs = [attend(q[:, first * size:(first + count) * size], keys[:, first:first + count],
+                          values[:, first:first + count], rule, call.scale, q_positions=q_positions,
+                          key_slots=key_slots, head_offset=head * size)
+                   for first, count, head in _consecutive_runs(group.layer_kv_heads)]
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, 1)

@@ -3,10 +3,11 @@ cache), masked SDPA on dense masks (small sizes); the flex executors live in fle
 esa_executor.py, the registry of the default set in registry.py.
 
 An executor says which patterns it accepts for a call (:meth:`Executor.accepts`), what running some heads would
-cost (:meth:`Executor.cost`), computes the output of a head selection (:meth:`Executor.run`) and says how a sparse
-KV cache keeps and decodes a pattern's heads (:meth:`Executor.cache_kind`). Patterns are data: an executor never
-asks which class a pattern is, only what the protocol says (``is_full``, ``name``, ``dense``, ``block_mask``,
-``mask_mod``).
+cost (:meth:`Executor.cost`), computes the output of a head selection (:meth:`Executor.run`) and, for a sparse KV
+cache's decode steps, which patterns it decodes (:meth:`Executor.decodes`) and how
+(:meth:`Executor.accepts_decode`, :meth:`Executor.decode_cost`, :meth:`Executor.decode`;
+:mod:`flexsparse.runtime.decode`). Patterns are data: an executor never asks which class a pattern is, only what
+the protocol says (``is_full``, ``decode_reads``, ``dense``, ``block_mask``, ``mask_mod``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from contextlib import nullcontext
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +30,9 @@ from flexsparse.masks.geometry import MAX_DENSE_ELEMENTS
 from flexsparse.runtime.call import AttentionCall, GroupModes, HeadSelection
 from flexsparse.runtime.cost import DENSE_FLOPS_PER_S, attention_flops, causal_pairs
 from flexsparse.runtime.dense_kernels import DenseKernel, dense_kernel, sdpa_backend_order
+
+if TYPE_CHECKING:
+    from flexsparse.runtime.decode import DecodeCall
 
 _MASKED_DECODE_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
@@ -56,13 +61,31 @@ class Executor(ABC):
         """Output ``[B, H_sel, Q, d]`` of the selected heads; ``patterns[m]`` is mode m's pattern for this call
         (resolved if content-dependent; None when no head uses it)."""
 
-    def cache_kind(self, pattern: Pattern) -> str | None:
-        """How a sparse KV cache keeps and decodes ``pattern``'s heads through this executor, or None when it does
-        not: ``"full"`` (every key; a one-token step attends every filled slot: :meth:`SdpaExecutor.decode_prefix`
-        and its siblings), ``"ring"`` (the pattern's sink and window keys in a ring; a step attends every kept
-        slot, as "full"), ``"keep"`` (every key; every call runs the layer's plan), or the executor's own name
-        (every key; a one-token step runs the executor's ``decode_step``). Default: None."""
-        return None
+    # ----- decode steps over a sparse KV cache (flexsparse.runtime.decode) --------------------------------------
+
+    fuses_decode: bool = False
+    """Decodes every group of a layer's step in one call (:func:`~flexsparse.runtime.decode.plan_decode` offers it
+    the whole step)."""
+    writes_new_token: bool = False
+    """Its decode writes the new token's key and value into the stores itself (else they are written first)."""
+
+    def decodes(self, pattern: Pattern) -> bool:
+        """Whether this executor decodes heads of ``pattern`` over their store (a capability of the pattern alone:
+        a sparse KV cache groups heads by the first executor that does). Default: no."""
+        return False
+
+    def accepts_decode(self, call: DecodeCall) -> bool:
+        """Whether this executor runs ``call`` (one group unless it ``fuses_decode``). Default: one group whose
+        pattern it :meth:`decodes`."""
+        return len(call.groups) == 1 and call.groups[0].pattern is not None and self.decodes(call.groups[0].pattern)
+
+    def decode_cost(self, call: DecodeCall) -> float:
+        """Estimated device seconds of ``call``. Default: every filled slot read once at the device's bandwidth."""
+        return call.read_seconds()
+
+    def decode(self, call: DecodeCall) -> Tensor:
+        """The step's output ``[B, H_g, 1, d]`` for the call's groups' query heads, in their order."""
+        raise NotImplementedError(f"{self.name} does not decode")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -110,9 +133,6 @@ class SdpaExecutor(Executor):
     """
 
     name = "sdpa"
-    decodes_as_full = ("xattention", "triangle_mix")
-    """Names of patterns whose one-token decode step attends every earlier key besides full ones: XAttention
-    (decode resolves it to causal) and TriangleMix (the new token is the last position, inside its full band)."""
 
     def __init__(self, max_mask_elements: int = 1 << 26) -> None:
         self.max_mask_elements = max_mask_elements
@@ -131,12 +151,9 @@ class SdpaExecutor(Executor):
         return dense_kernel(call.q.device, geo.q_len, geo.kv_len, call.needs_grad, dtype=call.q.dtype,
                             block_size=geo.block_size)
 
-    def cache_kind(self, pattern: Pattern) -> str | None:
-        if pattern.name == "sink_window" and getattr(pattern, "unit", None) == 1:
-            return "ring"  # token-exact sink + window: the ring holds exactly the keys it attends
-        if (pattern.is_full and not pattern.is_dynamic) or pattern.name in self.decodes_as_full:
-            return "full"
-        return None
+    def decodes(self, pattern: Pattern) -> bool:
+        """Heads whose store holds only keys the query attends: every earlier key, or a sink + window ring."""
+        return pattern.decode_reads.attends_every_stored_key
 
     def accepts(self, pattern: Pattern, call: AttentionCall) -> bool:
         if not pattern.is_full or pattern.is_dynamic:
@@ -166,45 +183,39 @@ class SdpaExecutor(Executor):
             out = F.scaled_dot_product_attention(folded_q, k, v, attn_mask=folded_mask, scale=call.scale)
         return _zero_empty_rows(out.reshape(batch, n_heads, q_len, dim), empty[:, None])
 
-    # ----- one-token decode steps over a sparse KV cache's slots (q [B, H_g, 1, d], keys/values [B, H_kv, S, d])
-
-    @staticmethod
-    def decode_prefix(q: Tensor, keys: Tensor, values: Tensor, filled: int, scale: float | None) -> Tensor:
-        """Every one of the first ``filled`` slots a key the query attends: SDPA without a mask, GQA without a K/V
-        copy (the flash kernel; a position mask would send SDPA to a slower one, and cuDNN's would build a graph
-        per step)."""
-        return sdpa_without_graph_builds(q, keys[:, :, :filled], values[:, :, :filled], scale=scale,
-                                         enable_gqa=q.shape[1] > keys.shape[1])
-
-    @staticmethod
-    def decode_ranges(q: Tensor, keys: Tensor, values: Tensor, lo: Tensor, hi: Tensor,
-                      scale: float | None) -> Tensor:
-        """Slots ``lo[b] <= slot < hi[b]`` (``[B]`` on the device), every one a key the query attends: the ranged
-        decode kernel on CUDA (split over the slots, GQA without a K/V copy, no host sync), its PyTorch form
-        elsewhere."""
+    def decode(self, call: DecodeCall) -> Tensor:
+        """Every slot of the view a key the query attends (q ``[B, H_g, 1, d]``, the store ``[B, H_kv, S, d]``):
+        a prefix of the slots (no padding) is SDPA without a mask, GQA without a K/V copy (the flash kernel: a
+        position mask would send SDPA to a slower one, and cuDNN's would build a graph per step); per-row slot
+        ranges (a left-padded prompt) run the ranged decode kernel on CUDA (no host sync), its PyTorch form
+        elsewhere; a position mask is SDPA with a boolean mask, the GQA group folded into query rows."""
+        (group,) = call.groups
+        q, view, store = group.q, group.view, group.store
+        keys, values, filled = store.keys, store.values, view.filled
+        if view.visible is not None:
+            return _masked_decode(q, keys[:, :, :filled], values[:, :, :filled], view.visible, view.empty,
+                                  call.scale)
+        if view.prefix:
+            return sdpa_without_graph_builds(q, keys[:, :, :filled], values[:, :, :filled], scale=call.scale,
+                                             enable_gqa=q.shape[1] > keys.shape[1])
         if q.shape[-1] <= MAX_HEAD_DIM and kernels_preferred_on(q.device):
             from flexsparse.kernels.decode import ranged_decode_attention  # triton: imported where it runs
 
-            return ranged_decode_attention(q[:, :, 0], keys, values, lo, hi, scale=scale)[:, :, None]
-        return ranged_decode_reference(q[:, :, 0], keys, values, lo, hi, scale=scale)[:, :, None]
+            return ranged_decode_attention(q[:, :, 0], keys, values, view.lo, view.hi, scale=call.scale)[:, :, None]
+        return ranged_decode_reference(q[:, :, 0], keys, values, view.lo, view.hi, scale=call.scale)[:, :, None]
 
-    @staticmethod
-    def decode_masked(q: Tensor, keys: Tensor, values: Tensor, filled: int, allowed: Tensor, empty: Tensor,
-                      scale: float | None) -> Tensor:
-        """The first ``filled`` slots, those marked in ``allowed`` (bool ``[B', filled]``, every one a key the query
-        attends; ``empty`` ``[B', 1]``: queries that read none, whose row is 0): SDPA with a boolean mask, the GQA
-        group folded into query rows (no K/V copy)."""
-        batch, heads, _, dim = q.shape
-        kv_heads = keys.shape[1]
-        folded = q.reshape(batch, kv_heads, heads // kv_heads, dim)  # one query: the group's rows
-        attend = lambda: F.scaled_dot_product_attention(folded, keys[:, :, :filled], values[:, :, :filled],
-                                                        attn_mask=allowed[:, None, None, :], scale=scale)
-        if q.is_cuda:  # not cuDNN's attention: it would build a graph for every new key length
-            with sdpa_kernel(_MASKED_DECODE_BACKENDS):
-                out = attend()
-        else:
-            out = attend()
-        return out.masked_fill(empty[:, :, None, None], 0.0).reshape(batch, heads, 1, dim)
+
+def _masked_decode(q: Tensor, keys: Tensor, values: Tensor, allowed: Tensor, empty: Tensor,
+                   scale: float | None) -> Tensor:
+    """One query per sequence against the slots marked in ``allowed`` (bool ``[B', S]``; ``empty`` ``[B', 1]``:
+    queries that read none, whose row is 0): SDPA with a boolean mask, the GQA group folded into query rows (no
+    K/V copy); on CUDA not cuDNN's attention, which would build a graph for every new key length."""
+    batch, heads, _, dim = q.shape
+    kv_heads = keys.shape[1]
+    folded = q.reshape(batch, kv_heads, heads // kv_heads, dim)  # one query: the group's rows
+    with sdpa_kernel(_MASKED_DECODE_BACKENDS) if q.is_cuda else nullcontext():
+        out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=allowed[:, None, None, :], scale=scale)
+    return out.masked_fill(empty[:, :, None, None], 0.0).reshape(batch, heads, 1, dim)
 
 
 class DenseExecutor(Executor):
@@ -225,9 +236,6 @@ class DenseExecutor(Executor):
     def cost(self, patterns, call):
         geo = call.geometry
         return attention_flops(call, len(patterns), geo.q_len * geo.kv_len) / DENSE_FLOPS_PER_S
-
-    def cache_kind(self, pattern: Pattern) -> str | None:
-        return "keep"
 
     def run(self, call, patterns, modes, heads):
         q, k, v = heads.pick(call)

@@ -138,9 +138,6 @@ class FlexExecutor(Executor):
         ratio = self._flash_ratio(one, call.geometry, _runs_as_is(call.geometry), call.q, call.needs_grad)
         return seconds if ratio is None else seconds * ratio
 
-    def cache_kind(self, pattern: Pattern) -> str | None:
-        return "keep"
-
     def run(self, call, patterns, modes, heads):
         q, k, v = heads.pick(call)
         parts = buckets.batch_parts(q.shape[0]) if self.compiled else [(0, q.shape[0])]

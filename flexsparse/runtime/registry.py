@@ -13,6 +13,7 @@ from collections.abc import Callable
 from flexsparse.runtime.esa_executor import EsaExecutor
 from flexsparse.runtime.executors import Executor, SdpaExecutor
 from flexsparse.runtime.fa4_executor import Fa4Executor
+from flexsparse.runtime.fused_decode import FusedDecodeExecutor
 
 ExecutorFactory = Callable[[], Executor]
 """Makes a layer's instance of an executor (an Executor subclass itself, or any callable without arguments)."""
@@ -51,3 +52,4 @@ def registered_executors() -> list[Executor]:
 register_executor(SdpaExecutor)
 register_executor(EsaExecutor)
 register_executor(Fa4Executor)
+register_executor(FusedDecodeExecutor)
