@@ -56,7 +56,7 @@ class ForwardPadding(Protocol):
     def new_positions(self) -> Tensor: ...  # int64 [B', q_len] of the new tokens (span: padding)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class StepView:
     """One store as a one-token step's query sees it. ``filled``: slots ``[0, filled)`` may hold keys the query
     reads; ``slot`` int64 ``[B]``: where the new token goes (``host_slot`` the same when every row shares it);
@@ -123,8 +123,10 @@ class StepViews:
 
     def constant(self, value: int) -> Tensor:
         """``value`` for every row, int64 ``[B]`` (a read-only view)."""
-        padding = self._padding
-        return self._entry(("constant", value), lambda: self._sequence.constant(padding.device, padding.batch, value))
+        found = self._entries.get(value)  # int keys: the constants
+        if found is None:
+            found = self._entries[value] = self._sequence.constant(self._padding.device, self._padding.batch, value)
+        return found
 
     def _per_row(self, values: Tensor) -> Tensor:
         """``[B']`` values (B' = 1 when shared by the batch) as ``[B]``."""

@@ -80,7 +80,8 @@ class SparseKVLayer(CacheLayerMixin):
         ranges = [heads.slice for heads in self.q_heads]
         self.heads_in_order = all(r is not None for r in ranges) and all(
             a.stop == b.start for a, b in zip(ranges, ranges[1:]))
-        self.layer_kv_heads = [tuple(layer.first_kv_head + h for h in group.kv_heads) for group in self.groups]
+        self._parts = [(heads, store, group.pattern, tuple(layer.first_kv_head + h for h in group.kv_heads))
+                       for heads, store, group in zip(self.q_heads, self.stores, self.groups)]
         self.device_steps: DeviceSteps | None = None  # set while the cache runs device-side steps
         self._plans: dict[tuple, DecodePlan] = {}
 
@@ -164,9 +165,9 @@ class SparseKVLayer(CacheLayerMixin):
         return assemble_heads(results, self.q_heads, self.heads_in_order, q.shape[1])
 
     def _plan(self, call: DecodeCall) -> DecodePlan:
-        """The decode plan of a step like ``call`` (kept per layout, device, dtype, batch and length octave: the
-        executors' decode costs are all linear in the slots read)."""
-        key = (self.layout, call.q.device, call.q.dtype, call.q.shape[0], self.tokens.bit_length())
+        """The decode plan of a step like ``call`` (kept per layout, batch and length octave: the executors' decode
+        costs are all linear in the slots read)."""
+        key = (self.layout, self.batch, self.tokens.bit_length())  # one device and dtype per cache
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = plan_decode(self.layer.attention.executors, call)
@@ -211,9 +212,9 @@ class SparseKVLayer(CacheLayerMixin):
 
     def _call_with_views(self, q: Tensor, key: Tensor, value: Tensor, scale: float | None,
                          views: list[StepView]) -> DecodeCall:
-        return DecodeCall(q, key, value, tuple(
-            GroupStep(heads.pick(q), store, view, group.pattern, layer_heads) for group, store, heads, layer_heads, view
-            in zip(self.groups, self.stores, self.q_heads, self.layer_kv_heads, views)), scale, self.one_launch_decode)
+        return DecodeCall(q, key, value, tuple(GroupStep(heads, store, view, pattern, layer_heads)
+                                               for (heads, store, pattern, layer_heads), view in zip(self._parts, views)),
+                          scale, self.one_launch_decode)
 
     def _fused_decoder(self):
         return next((e for e in self.layer.attention.executors if e.fuses_decode), None)

@@ -26,12 +26,13 @@ from flexsparse.runtime.executors import Executor
 
 @dataclass(frozen=True, slots=True, eq=False)
 class GroupStep:
-    """One head group of a decode step. ``q``: its query heads ``[B, H_g, 1, d]``; ``store``: its buffers;
+    """One head group of a decode step. ``q_heads``: its query heads (:meth:`DecodeCall.query` picks them);
+    ``store``: its buffers;
     ``view``: how the step's query sees them; ``pattern``: the heads' pattern (one per group; None for a group of
     several patterns, which only a plan over the store decodes); ``layer_kv_heads``: its KV heads in the layer's
     numbering (a tensor-parallel rank's first head added)."""
 
-    q: Tensor
+    q_heads: HeadIndex
     store: KVStore
     view: StepView
     pattern: Pattern | None
@@ -56,6 +57,10 @@ class DecodeCall:
     groups: tuple[GroupStep, ...]
     scale: float | None
     fused: bool | None = None
+
+    def query(self, index: int = 0) -> Tensor:
+        """The query heads of group ``index``, ``[B, H_g, 1, d]`` (a view when they are consecutive)."""
+        return self.groups[index].q_heads.pick(self.q)
 
     def only(self, index: int) -> DecodeCall:
         """The call of one group."""

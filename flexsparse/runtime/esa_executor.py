@@ -141,7 +141,7 @@ class EsaExecutor(Executor):
         the view's query positions and the slot of each key position. One call per run of consecutive KV heads
         (the kernel takes whole KV groups of the layer's heads)."""
         (group,) = call.groups
-        q, view = group.q, group.view
+        q, view = call.query(), group.view
         keys, values = group.store.keys[:, :, :view.filled], group.store.values[:, :, :view.filled]
         q_positions, key_slots = view.positions() if view.positions is not None else (None, None)
         if supports_head_dim(q.shape[-1]) and kernels_preferred_on(q.device):

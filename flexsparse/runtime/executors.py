@@ -190,7 +190,7 @@ class SdpaExecutor(Executor):
         ranges (a left-padded prompt) run the ranged decode kernel on CUDA (no host sync), its PyTorch form
         elsewhere; a position mask is SDPA with a boolean mask, the GQA group folded into query rows."""
         (group,) = call.groups
-        q, view, store = group.q, group.view, group.store
+        q, view, store = call.query(), group.view, group.store
         keys, values, filled = store.keys, store.values, view.filled
         if view.visible is not None:
             return _masked_decode(q, keys[:, :, :filled], values[:, :, :filled], view.visible, view.empty,
