@@ -296,7 +296,7 @@ def test_search_calibration_keeps_the_budget_and_lowers_its_objective(per_layer)
 @pytest.fixture
 def no_model(monkeypatch):
     """Fails the test if the command loads a model: bad input must be refused before."""
-    import flexsparse.eval.models as models
+    from flexsparse.eval import models
 
     def refuse(*args, **kwargs):
         raise AssertionError("the model was loaded before the bad input was refused")
@@ -312,10 +312,10 @@ def no_model(monkeypatch):
     (["--search-length", "0"], "--search-length must be >= 64, got 0"),
     (["--window", "0"], "--window must be >= 1, got 0"),
     (["--sink", "-1"], "--sink must be >= 0, got -1"),
-    (["--length", "256"], "--length 256, --sink 64, --window 256: the calibration prompts fit inside the sparse "
-                          "pattern's reach (sink + window = 64 + 256 = 320 >= 256)"),
-    (["--length", "300", "--sink", "0", "--window", "300"], "calibrate on prompts longer than 300 tokens, or with a "
-                                                            "smaller sink + window"),
+    (["--length", "256"], ("--length 256, --sink 64, --window 256: the calibration prompts fit inside the sparse "
+                           "pattern's reach (sink + window = 64 + 256 = 320 >= 256)")),
+    (["--length", "300", "--sink", "0", "--window", "300"],
+     "calibrate on prompts longer than 300 tokens, or with a smaller sink + window"),
     (["--text", "/nonexistent/corpus.txt"], "--text: cannot read /nonexistent/corpus.txt"),
 ])
 def test_cli_calibrate_refuses_bad_numbers_before_loading_the_model(argv, message, no_model, tmp_path, capsys):
@@ -365,28 +365,28 @@ def test_calibrate_checks_every_argument_first():
 
     model, tokenizer = tiny_model("llama"), _Tokenizer()
     cases = [
-        (dict(model=None), TypeError, "model must be a transformers PreTrainedModel, got NoneType"),
-        (dict(model=torch.nn.Linear(2, 2)), TypeError, "model must be a transformers PreTrainedModel, got Linear"),
-        (dict(tokenizer=None), TypeError, "tokenizer must be the model's tokenizer (callable, with decode), got "
-                                          "NoneType"),
-        (dict(method="magic"), ValueError, "method must be one of"),
-        (dict(budget=1.5), ValueError, "budget must be <= 1"),
-        (dict(budget="half"), TypeError, "budget must be a"),
-        (dict(per_layer=1), TypeError, "per_layer must be a bool"),
-        (dict(sparse="ssa"), TypeError, "sparse must be a flexsparse Pattern, got str"),
-        (dict(corpus="some text"), TypeError, "corpus must be a flexsparse.eval.Corpus or None, got str"),
-        (dict(length=0), ValueError, "length must be >= 64"),
-        (dict(length=512.0), TypeError, "length must be an int"),
-        (dict(samples=0), ValueError, "samples must be >= 1"),
-        (dict(batch_size=0), ValueError, "batch_size must be >= 1"),
-        (dict(gates={"steps": 2}), TypeError, "gates must be a GateOptions, got dict"),
-        (dict(search=None), TypeError, "search must be a SearchOptions, got NoneType"),
-        (dict(seed=None), TypeError, "seed must be an int"),
-        (dict(progress="yes"), TypeError, "progress must be a bool"),
-        (dict(tp_size=0), ValueError, "tp_size must be >= 1"),
-        (dict(length=256), ValueError, "the calibration prompts fit inside the sparse pattern's reach (sink + "
-                                       "window = 64 + 256 = 320 >= 256)"),
-        (dict(length=128, sparse=SPARSE_TOO_WIDE), ValueError, "attends every earlier key of 128 tokens"),
+        ({"model": None}, TypeError, "model must be a transformers PreTrainedModel, got NoneType"),
+        ({"model": torch.nn.Linear(2, 2)}, TypeError, "model must be a transformers PreTrainedModel, got Linear"),
+        ({"tokenizer": None}, TypeError,
+         "tokenizer must be the model's tokenizer (callable, with decode), got NoneType"),
+        ({"method": "magic"}, ValueError, "method must be one of"),
+        ({"budget": 1.5}, ValueError, "budget must be <= 1"),
+        ({"budget": "half"}, TypeError, "budget must be a"),
+        ({"per_layer": 1}, TypeError, "per_layer must be a bool"),
+        ({"sparse": "ssa"}, TypeError, "sparse must be a flexsparse Pattern, got str"),
+        ({"corpus": "some text"}, TypeError, "corpus must be a flexsparse.eval.Corpus or None, got str"),
+        ({"length": 0}, ValueError, "length must be >= 64"),
+        ({"length": 512.0}, TypeError, "length must be an int"),
+        ({"samples": 0}, ValueError, "samples must be >= 1"),
+        ({"batch_size": 0}, ValueError, "batch_size must be >= 1"),
+        ({"gates": {"steps": 2}}, TypeError, "gates must be a GateOptions, got dict"),
+        ({"search": None}, TypeError, "search must be a SearchOptions, got NoneType"),
+        ({"seed": None}, TypeError, "seed must be an int"),
+        ({"progress": "yes"}, TypeError, "progress must be a bool"),
+        ({"tp_size": 0}, ValueError, "tp_size must be >= 1"),
+        ({"length": 256}, ValueError,
+         "the calibration prompts fit inside the sparse pattern's reach (sink + window = 64 + 256 = 320 >= 256)"),
+        ({"length": 128, "sparse": SPARSE_TOO_WIDE}, ValueError, "attends every earlier key of 128 tokens"),
     ]
     for change, error, message in cases:
         arguments = {"model": model, "tokenizer": tokenizer, "length": 512, **change}

@@ -153,7 +153,7 @@ def test_cli_eval_writes_results_table_and_plot(tmp_path, capsys):
     (["--methods", "nope"], "unknown method 'nope'"),
     (["--methods", "ssa:sinks=4"], "unknown options ['sinks']"),
     (["--tasks", "riddles"], "unknown task 'riddles'"),
-    (["--lengths", "0"], "--lengths must be >= 1"),
+    (["--lengths", "0"], "--lengths must be >= 64, got 0"),
     (["--methods", "full", "--lengths", "16384", "--tasks", "perplexity"],
      "exceeds the model's context of 8,192"),
     (["--config", "/nonexistent-dir"], "no saved flexsparse configuration"),
@@ -171,7 +171,7 @@ def test_cli_eval_rejects_bad_input_in_one_line(argv, message, tmp_path, capsys)
 @pytest.fixture
 def no_model(monkeypatch):
     """Fails the test if the command loads a model: bad input must be refused before."""
-    import flexsparse.eval.models as models
+    from flexsparse.eval import models
 
     def refuse(*args, **kwargs):
         raise AssertionError("the model was loaded before the bad input was refused")
@@ -194,6 +194,14 @@ def test_cli_eval_refuses_zero_for_every_integer_option(option, no_model, tmp_pa
     """0 used to mean "the default" for some (--trials 0 ran 4 trials); every integer option refuses it."""
     line = _one_line_error(["--out", str(tmp_path), option, "0"], capsys)
     assert f"{option} must be >= " in line and "got 0" in line
+
+
+def test_cli_eval_and_calibrate_refuse_a_device_that_is_not_one(no_model, tmp_path, capsys):
+    for command in ("eval", "calibrate"):
+        line = _one_line_error(["--out", str(tmp_path), "--device", "gpu0"], capsys, command)
+        assert "--device 'gpu0' is not a device; use cpu, cuda or cuda:N" in line
+        assert "the model runs on cpu or cuda" in _one_line_error(["--out", str(tmp_path), "--device", "meta"],
+                                                                   capsys, command)
 
 
 @pytest.mark.parametrize("option", ["--lengths", "--calibration-length", "--search-length"])
@@ -240,8 +248,8 @@ def _stub_run(monkeypatch):
     """Replace the model load, the corpus and evaluate(): returns what evaluate() was called with."""
     import types
 
-    import flexsparse.eval.models as models
-    import flexsparse.eval.runner as runner
+    from flexsparse.eval import models
+    from flexsparse.eval import runner
     from flexsparse.eval.text import Corpus
 
     called = {}

@@ -16,13 +16,20 @@ DEFAULT_METHODS = ("full", "ssa", "index", "retrieval", "xa", "triangle", "esa")
 
 
 def _cuda(device: str | None) -> bool:
+    """Whether the command runs on CUDA; ``--device`` checked (cpu, cuda or cuda:N, a CUDA device present)."""
     import torch
 
     if device is None:
         return torch.cuda.is_available()
-    if device.startswith("cuda") and not torch.cuda.is_available():
+    try:
+        found = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"--device {device!r} is not a device; use cpu, cuda or cuda:N") from None
+    if found.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {device!r}: the model runs on cpu or cuda")
+    if found.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {device} needs a CUDA device, and torch sees none")
-    return device.startswith("cuda")
+    return found.type == "cuda"
 
 
 def _positive(name: str, values, minimum: int = 1) -> None:
@@ -110,6 +117,8 @@ def _eval_methods(args: argparse.Namespace, calibration_length: int) -> list:
 
 
 def run_eval(args: argparse.Namespace) -> int:
+    from flexsparse.eval.gates import GateOptions
+    from flexsparse.eval.plots import PLOT_FILE
     from flexsparse.eval.records import RESULTS_FILE, format_table, with_ratios, write_records
     from flexsparse.eval.runner import evaluate
     from flexsparse.eval.tasks import get_task
@@ -118,7 +127,6 @@ def run_eval(args: argparse.Namespace) -> int:
     # every input is checked here, before the model loads; what needs the model, evaluate checks before a forward
     for option in ("trials", "batch_tokens", "calibration_samples", "gate_steps"):
         _positive(f"--{option.replace('_', '-')}", getattr(args, option))
-    _positive("--lengths", args.lengths)
     _positive("--lengths", args.lengths, minimum=64)
     _positive("--calibration-length", args.calibration_length, minimum=64)
     _positive("--search-length", args.search_length, minimum=64)
@@ -134,12 +142,8 @@ def run_eval(args: argparse.Namespace) -> int:
 
         if importlib.util.find_spec("matplotlib") is None:
             raise ImportError("the quality plot needs matplotlib: pip install 'flexsparse[plot]' (or --no-plot)")
-    from flexsparse.eval.plots import PLOT_FILE
-
     out = _output_folder("--out", args.out, (RESULTS_FILE,) if args.no_plot else (RESULTS_FILE, PLOT_FILE))
     text = _texts(args.text)
-    from flexsparse.eval.gates import GateOptions
-
     gates = GateOptions(steps=_given(args.gate_steps, 200 if cuda else 10))
     loaded = _load(args)
     corpus = Corpus.from_text(loaded.tokenizer, text)
