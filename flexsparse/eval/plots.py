@@ -39,9 +39,9 @@ def _log_scale(metric: str, values: Sequence[float]) -> bool:
 
 
 def marker_sizes(points: Sequence[Record]) -> list[float]:
-    """Each point's marker area (the points of one panel, in drawing order): on a spot shared by n points (within
-    1% of the axes), the first drawn is the largest and each next one smaller, so that all n rings show; a point
-    alone has :data:`MARKER_SIZE`."""
+    """Each point's marker area (the points of one panel, in drawing order): on a spot shared by n points (the
+    same cell of a 1%-of-the-axes grid), the first drawn is the largest and each next one smaller, so that all n
+    rings show; a point alone has :data:`MARKER_SIZE`."""
     metric = points[0].metric if points else ""
     values = [p.value for p in points]
     if metric in FRACTIONS:
