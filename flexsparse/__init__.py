@@ -25,7 +25,7 @@ __version__ = "0.1.0"
 # name -> the subpackage it is imported from on first use
 _LAZY = {
     "RouterTrainer": "integrations", "SparseKVCache": "integrations", "convert": "integrations",
-    "load_config": "integrations", "revert": "integrations", "save_config": "integrations",
+    "check_config": "integrations", "load_config": "integrations", "revert": "integrations", "save_config": "integrations",
     "calibrate": "eval",
 }
 
@@ -58,6 +58,7 @@ __all__ = [
     "Union",
     "XAttention",
     "calibrate",
+    "check_config",
     "convert",
     "effective_sparsity_ratio",
     "load_config",

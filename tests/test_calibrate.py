@@ -8,6 +8,7 @@ measured density in `flexsparse eval --config`.
 """
 
 import json
+import re
 
 import pytest
 import torch
@@ -288,3 +289,130 @@ def test_search_calibration_keeps_the_budget_and_lowers_its_objective(per_layer)
     with pytest.raises(ValueError, match="tp_size"):
         calibrate(model, tokenizer, method="search", corpus=real_corpus(), length=160, samples=2, tp_size=2,
                   gates=GateOptions(steps=1))
+
+
+# ----- every input refused before the model loads, every argument checked first --------------------------------
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Fails the test if the command loads a model: bad input must be refused before."""
+    from flexsparse.eval import models
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the bad input was refused")
+
+    monkeypatch.setattr(models, "load_model", refuse)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--length", "0"], "--length must be >= 64, got 0"),
+    (["--length", "32"], "--length must be >= 64, got 32"),
+    (["--samples", "0"], "--samples must be >= 1, got 0"),
+    (["--gate-steps", "0"], "--gate-steps must be >= 1, got 0"),
+    (["--search-length", "0"], "--search-length must be >= 64, got 0"),
+    (["--window", "0"], "--window must be >= 1, got 0"),
+    (["--sink", "-1"], "--sink must be >= 0, got -1"),
+    (["--length", "256"], ("--length 256, --sink 64, --window 256: the calibration prompts fit inside the sparse "
+                           "pattern's reach (sink + window = 64 + 256 = 320 >= 256)")),
+    (["--length", "300", "--sink", "0", "--window", "300"],
+     "calibrate on prompts longer than 300 tokens, or with a smaller sink + window"),
+    (["--text", "/nonexistent/corpus.txt"], "--text: cannot read /nonexistent/corpus.txt"),
+])
+def test_cli_calibrate_refuses_bad_numbers_before_loading_the_model(argv, message, no_model, tmp_path, capsys):
+    from flexsparse.cli import main
+
+    assert main(["calibrate", "--out", str(tmp_path / "out"), *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("flexsparse calibrate: error:") and message in err[0], err
+
+
+def test_cli_calibrate_refuses_an_out_it_cannot_write_into(no_model, tmp_path, capsys):
+    from flexsparse.cli import main
+
+    taken = tmp_path / "taken"
+    taken.write_text("a file")
+    assert main(["calibrate", "--out", str(taken), "--length", "512"]) == 2
+    assert f"--out {taken}: is a file, not a folder" in capsys.readouterr().err
+
+
+class _Tokenizer:
+    """Enough of a tokenizer for the argument checks (none of these tests builds a prompt)."""
+
+    def __call__(self, text, **kwargs):
+        return {"input_ids": [1] * len(text.split())}
+
+    def decode(self, ids):
+        return " ".join("w" for _ in ids)
+
+
+def _sparse_too_wide():
+    from flexsparse.masks import SinkWindow, TriangleMix
+
+    return TriangleMix(sink=8, window=120, last_q=16) | SinkWindow(0, 128)
+
+
+SPARSE_TOO_WIDE = _sparse_too_wide()
+"""A sparse pattern that is no pattern at 128 tokens: every query attends every earlier key."""
+
+
+def test_calibrate_checks_every_argument_first():
+    """flexsparse.calibrate(model, None, ...) failed deep inside with "'NoneType' object is not callable"."""
+    import flexsparse
+    from flexsparse.eval.gates import GateOptions
+    from flexsparse.integrations import convert, revert
+    from flexsparse.masks import Causal
+    from tests.hf_util import tiny_model
+
+    model, tokenizer = tiny_model("llama"), _Tokenizer()
+    cases = [
+        ({"model": None}, TypeError, "model must be a transformers PreTrainedModel, got NoneType"),
+        ({"model": torch.nn.Linear(2, 2)}, TypeError, "model must be a transformers PreTrainedModel, got Linear"),
+        ({"tokenizer": None}, TypeError,
+         "tokenizer must be the model's tokenizer (callable, with decode), got NoneType"),
+        ({"method": "magic"}, ValueError, "method must be one of"),
+        ({"budget": 1.5}, ValueError, "budget must be <= 1"),
+        ({"budget": "half"}, TypeError, "budget must be a"),
+        ({"per_layer": 1}, TypeError, "per_layer must be a bool"),
+        ({"sparse": "ssa"}, TypeError, "sparse must be a flexsparse Pattern, got str"),
+        ({"corpus": "some text"}, TypeError, "corpus must be a flexsparse.eval.Corpus or None, got str"),
+        ({"length": 0}, ValueError, "length must be >= 64"),
+        ({"length": 512.0}, TypeError, "length must be an int"),
+        ({"samples": 0}, ValueError, "samples must be >= 1"),
+        ({"batch_size": 0}, ValueError, "batch_size must be >= 1"),
+        ({"gates": {"steps": 2}}, TypeError, "gates must be a GateOptions, got dict"),
+        ({"search": None}, TypeError, "search must be a SearchOptions, got NoneType"),
+        ({"seed": None}, TypeError, "seed must be an int"),
+        ({"progress": "yes"}, TypeError, "progress must be a bool"),
+        ({"tp_size": 0}, ValueError, "tp_size must be >= 1"),
+        ({"length": 256}, ValueError,
+         "the calibration prompts fit inside the sparse pattern's reach (sink + window = 64 + 256 = 320 >= 256)"),
+        ({"length": 128, "sparse": SPARSE_TOO_WIDE}, ValueError, "attends every earlier key of 128 tokens"),
+    ]
+    for change, error, message in cases:
+        arguments = {"model": model, "tokenizer": tokenizer, "length": 512, **change}
+        with pytest.raises(error, match=re.escape(message)):
+            flexsparse.calibrate(arguments.pop("model"), arguments.pop("tokenizer"), **arguments)
+    convert(model, {"full": Causal(), "ssa": _window()}, [["full", "ssa"]] * 3, backend="dense")
+    try:
+        with pytest.raises(ValueError, match=re.escape("model must not be converted")):
+            flexsparse.calibrate(model, tokenizer, length=512)
+    finally:
+        revert(model)
+    with pytest.raises(ValueError, match="steps must be >= 1"):
+        GateOptions(steps=0)
+    with pytest.raises(ValueError, match="lr must be > 0"):
+        GateOptions(lr=0.0)
+
+
+def test_gate_training_says_what_it_will_cost_once(capsys):
+    from flexsparse.eval.gates import GateOptions, gate_scores
+    from tests.hf_util import VOCAB, tiny_model
+
+    ids = torch.randint(1, VOCAB, (2, 64), generator=torch.Generator().manual_seed(0))
+    gate_scores(tiny_model("llama"), ids, _window(), options=GateOptions(steps=3), progress=True)
+    lines = [line for line in capsys.readouterr().err.replace("\r", "\n").splitlines() if "gate training" in line]
+    assert len(lines) == 1, lines
+    assert re.fullmatch(r"gate training: 3 steps of 1 x 64 tokens on cpu; the first took \d+ s, so the other 2 "
+                        r"will take about \d+ s \(fewer steps: GateOptions.steps, --gate-steps\)", lines[0])
+    gate_scores(tiny_model("llama"), ids, _window(), options=GateOptions(steps=3), progress=False)
+    assert capsys.readouterr().err == ""

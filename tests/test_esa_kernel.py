@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.kernel_markers import CUDA, DEVICE, INTERPRETED, kernel_test
+from tests.kernel_markers import CUDA, DEVICE, INTERPRETED, kernel_test, needs_interpreted_bf16_dot
 
 pytest.importorskip("triton")
 
@@ -347,8 +347,7 @@ def test_kernel_forward_matches_reference_on_random_geometries(heads_per_group, 
 @kernel_test
 @pytest.mark.parametrize("dtype,atol", [
     (torch.float16, 2e-3),
-    pytest.param(torch.bfloat16, 1.5e-2, marks=pytest.mark.skipif(INTERPRETED, reason="the interpreter's bf16 "
-                                                                  "tl.dot multiplies raw bits (triton 3.6)")),
+    pytest.param(torch.bfloat16, 1.5e-2, marks=needs_interpreted_bf16_dot()),
 ])
 def test_kernel_half_precision_forward(dtype, atol):
     pattern = ESA(1, 4, 8, 4)

@@ -11,6 +11,7 @@ checked on the real tokenizer and text.
 import json
 import math
 import random
+import re
 
 import pytest
 import torch
@@ -152,7 +153,7 @@ def test_cli_eval_writes_results_table_and_plot(tmp_path, capsys):
     (["--methods", "nope"], "unknown method 'nope'"),
     (["--methods", "ssa:sinks=4"], "unknown options ['sinks']"),
     (["--tasks", "riddles"], "unknown task 'riddles'"),
-    (["--lengths", "0"], "--lengths must be >= 1"),
+    (["--lengths", "0"], "--lengths must be >= 64, got 0"),
     (["--methods", "full", "--lengths", "16384", "--tasks", "perplexity"],
      "exceeds the model's context of 8,192"),
     (["--config", "/nonexistent-dir"], "no saved flexsparse configuration"),
@@ -163,3 +164,217 @@ def test_cli_eval_rejects_bad_input_in_one_line(argv, message, tmp_path, capsys)
     assert main(["eval", "--out", str(tmp_path), "--quiet", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("flexsparse eval: error:") and message in err[-1]
+
+
+# ----- every input refused before the model loads (no real model here: these are fast) ------------------------
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Fails the test if the command loads a model: bad input must be refused before."""
+    from flexsparse.eval import models
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the bad input was refused")
+
+    monkeypatch.setattr(models, "load_model", refuse)
+
+
+def _one_line_error(argv, capsys, command="eval"):
+    from flexsparse.cli import main
+
+    assert main([command, *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"flexsparse {command}: error:"), err
+    return err[0]
+
+
+@pytest.mark.parametrize("option", ["--trials", "--batch-tokens", "--calibration-length", "--calibration-samples",
+                                    "--gate-steps", "--search-length", "--lengths"])
+def test_cli_eval_refuses_zero_for_every_integer_option(option, no_model, tmp_path, capsys):
+    """0 used to mean "the default" for some (--trials 0 ran 4 trials); every integer option refuses it."""
+    line = _one_line_error(["--out", str(tmp_path), option, "0"], capsys)
+    assert f"{option} must be >= " in line and "got 0" in line
+
+
+def test_cli_eval_and_calibrate_refuse_a_device_that_is_not_one(no_model, tmp_path, capsys):
+    for command in ("eval", "calibrate"):
+        line = _one_line_error(["--out", str(tmp_path), "--device", "gpu0"], capsys, command)
+        assert "--device 'gpu0' is not a device; use cpu, cuda or cuda:N" in line
+        assert "the model runs on cpu or cuda" in _one_line_error(["--out", str(tmp_path), "--device", "meta"],
+                                                                   capsys, command)
+
+
+@pytest.mark.parametrize("option", ["--lengths", "--calibration-length", "--search-length"])
+def test_cli_eval_refuses_prompts_shorter_than_64_tokens(option, no_model, tmp_path, capsys):
+    assert f"{option} must be >= 64, got 32" in _one_line_error(["--out", str(tmp_path), option, "32"], capsys)
+
+
+def _saved_config(directory, **model_overrides):
+    from flexsparse.integrations import convert, save_config
+    from flexsparse.masks import Causal, SinkWindow
+    from tests.hf_util import tiny_model
+
+    model = tiny_model("llama", **model_overrides)
+    layers = model.config.num_hidden_layers
+    convert(model, {"full": Causal(), "ssa": SinkWindow(4, 16)}, [["full", "ssa"]] * layers, backend="dense")
+    return save_config(model, directory)
+
+
+def test_cli_eval_refuses_bad_files_before_loading_the_model(no_model, tmp_path, capsys):
+    broken = _saved_config(tmp_path / "broken")
+    saved = json.loads(broken.read_text())
+    del saved["patterns"]["ssa"]["window"]
+    broken.write_text(json.dumps(saved))
+    a_file = tmp_path / "results-file"
+    a_file.write_text("not a folder")
+    cases = [
+        (["--config", str(tmp_path / "broken")], "config of 'sink_window' lacks ['window']"),
+        (["--methods", "full", "--out", str(a_file)], f"--out {a_file}: is a file, not a folder"),
+        (["--methods", "full", "--out", str(a_file / "below")], f"{a_file} is a file, so the folder cannot be"),
+        (["--methods", "full", "--text", str(tmp_path / "missing.txt")], "--text: cannot read"),
+        (["--methods", "full", "--text", str(tmp_path)], "--text: cannot read"),
+        (["--methods", "retrieval", "--calibration-length", "256"],
+         "sink + window = 64 + 256 = 320 >= 256"),
+        (["--methods", "xa:calibrated=1", "--calibration-length", "100"], "at least block_size (128) tokens"),
+    ]
+    for argv, message in cases:
+        out = [] if "--out" in argv else ["--out", str(tmp_path / "out")]
+        line = _one_line_error([*argv, *out, "--no-plot"], capsys)
+        assert message in line, (argv, line)
+    assert not (tmp_path / "out").exists()  # nothing was written
+
+
+def _stub_run(monkeypatch):
+    """Replace the model load, the corpus and evaluate(): returns what evaluate() was called with."""
+    import types
+
+    from flexsparse.eval import models
+    from flexsparse.eval import runner
+    from flexsparse.eval.text import Corpus
+
+    called = {}
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: types.SimpleNamespace(name="stub", tokenizer=None))
+    monkeypatch.setattr(Corpus, "from_text", classmethod(lambda cls, tokenizer, text=None: "corpus"))
+
+    def evaluate(loaded, methods, tasks, lengths, trials, **kwargs):
+        called.update(methods=[m.name for m in methods], tasks=tasks, lengths=lengths, trials=trials, **kwargs)
+        return []
+
+    monkeypatch.setattr(runner, "evaluate", evaluate)
+    return called
+
+
+def test_cli_eval_config_alone_runs_beside_full_attention_only(monkeypatch, tmp_path, capsys):
+    from flexsparse.cli import main
+
+    _saved_config(tmp_path / "mine")
+    called = _stub_run(monkeypatch)
+    assert main(["eval", "--config", str(tmp_path / "mine"), "--out", str(tmp_path / "out"), "--no-plot"]) == 0
+    assert called["methods"] == ["full", "config:mine"]
+    assert main(["eval", "--config", str(tmp_path / "mine"), "--methods", "--out", str(tmp_path / "out"),
+                 "--no-plot"]) == 0
+    assert called["methods"] == ["config:mine"]
+    assert main(["eval", "--out", str(tmp_path / "out"), "--no-plot", "--lengths", "512"]) == 0
+    assert called["methods"] == ["full", "ssa", "index", "retrieval", "xa", "triangle", "esa"]
+    assert called["calibration_length"] == 512 and called["progress"] is True
+
+
+# ----- checks before the first forward, progress ---------------------------------------------------------------
+
+def _tiny_loaded(**overrides):
+    from flexsparse.eval.models import LoadedModel
+    from flexsparse.eval.text import Corpus
+    from tests.hf_util import VOCAB, tiny_model
+
+    tokens = torch.randint(1, VOCAB, (600,), generator=torch.Generator().manual_seed(0))
+    corpus = Corpus(tokens[:200], tokens[200:], ())
+    return LoadedModel(tiny_model("llama", **overrides), None, "tiny", "tiny"), corpus
+
+
+def _refuse_forwards(model):
+    def refuse(*args):
+        raise AssertionError("a forward ran before the bad input was refused")
+
+    return model.register_forward_pre_hook(refuse)
+
+
+def test_evaluate_checks_every_method_before_the_first_forward(tmp_path):
+    from flexsparse.eval.methods import ConfigMethod, parse_method
+    from flexsparse.eval.runner import evaluate
+    from flexsparse.integrations import is_converted
+
+    loaded, corpus = _tiny_loaded()
+    _saved_config(tmp_path / "two-layers", num_hidden_layers=2)
+    hook = _refuse_forwards(loaded.model)
+    cases = [
+        ([parse_method("full"), ConfigMethod(tmp_path / "two-layers")], {}, "was saved for 2 layers"),
+        ([parse_method("full"), parse_method("retrieval")], {"calibration_length": 128},
+         "method 'retrieval' at calibration length 128: the calibration prompts fit inside the sparse pattern's"),
+        ([parse_method("full"), parse_method("retrieval:sink=4,window=8")], {"calibration_length": 512},
+         "calibration length 512 exceeds the model's context of 256"),
+        ([parse_method("full"), parse_method("hsa:sink=4,window=8")], {"calibration_length": 250},
+         "the calibration text holds 200 tokens, fewer than one window of 250"),
+        ([parse_method("full"), parse_method("index:full=3")], {}, "full=3 exceeds the 2 KV heads"),
+        ([parse_method("full")], {"batch_tokens": 0}, "batch_tokens must be an integer >= 1"),
+    ]
+    for methods, options, message in cases:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            evaluate(loaded, methods, ["perplexity"], [64], 1, corpus=corpus, backend="dense", **options)
+        assert not is_converted(loaded.model)
+    short = type(corpus)(corpus.calibration, corpus.evaluation[:100], ())
+    with pytest.raises(ValueError, match="the evaluation text holds 100 tokens, fewer than one window of 128"):
+        evaluate(loaded, [parse_method("full")], ["perplexity"], [64, 128], 1, corpus=short)
+    hook.remove()
+
+
+def test_evaluate_shows_one_overall_bar_with_the_time_left(capsys):
+    from flexsparse.eval.methods import parse_method
+    from flexsparse.eval.runner import evaluate
+
+    loaded, corpus = _tiny_loaded()
+    methods = [parse_method("full"), parse_method("ssa:sink=4,window=8")]
+    records = evaluate(loaded, methods, ["perplexity"], [64, 128], 1, corpus=corpus, backend="dense",
+                       progress=True)
+    assert len(records) == 4
+    err = capsys.readouterr().err
+    lines = [line for line in err.replace("\r", "\n").splitlines() if line.startswith("eval ")]
+    assert lines and lines[-1].startswith("eval 4/4 runs (done) 100%") and "left" in lines[-1]
+    assert any("eval 2/4 runs" in line and "left" in line for line in lines)
+    assert any("ssa:sink=4,window=8 perplexity 128" in line for line in lines)
+    evaluate(loaded, methods, ["perplexity"], [64], 1, corpus=corpus, backend="dense", progress=False)
+    assert capsys.readouterr().err == ""
+
+
+# ----- the quality plot ----------------------------------------------------------------------------------------
+
+def _record(method, task, metric, value, density, length=1024):
+    from flexsparse.eval.records import Record
+
+    return Record(method, task, length, metric, value, 4, density, 0)
+
+
+def test_quality_plot_keeps_fractions_on_0_1_and_shows_every_point_on_a_shared_spot(tmp_path):
+    from flexsparse.eval.plots import MARKER_SIZE, marker_sizes, plot_quality, quality_figure
+
+    records = [_record(m, "passkey", "accuracy", 1.0, 1.0) for m in ("full", "index", "retrieval")]
+    records += [_record("ssa", "passkey", "accuracy", 1.0, 0.4),
+                _record("full", "multivalue", "recall", 0.0, 1.0), _record("ssa", "multivalue", "recall", 0.0, 1.0),
+                _record("full", "perplexity", "perplexity", 12.0, 1.0),
+                _record("esa", "perplexity", "perplexity", 300.0, 0.2)]
+    figure = quality_figure(records)
+    axes = {ax.get_title(): ax for ax in figure.axes if ax.get_title()}
+    for title in ("passkey (accuracy)", "multivalue (recall)"):
+        assert axes[title].get_ylim() == pytest.approx((-0.05, 1.05))  # not 0.96-1.04 for all-1.0 values
+    shared = [c for c in axes["passkey (accuracy)"].collections if tuple(c.get_offsets()[0]) == (1.0, 1.0)]
+    sizes = [float(c.get_sizes()[0]) for c in shared]
+    assert len(shared) == 3 and sizes == sorted(sizes, reverse=True) and len(set(sizes)) == 3
+    assert min(sizes) == MARKER_SIZE and sizes[0] > 2 * MARKER_SIZE  # the first drawn is the largest ring
+    for collection in shared:  # hollow: a smaller marker on top hides none of a larger one's ring
+        assert collection.get_facecolors().size == 0 or (collection.get_facecolors()[:, 3] == 0).all()
+    assert len({tuple(c.get_edgecolors()[0]) for c in shared}) == 3  # each method its color
+    assert axes["perplexity (perplexity)"].get_yscale() == "log"
+    assert marker_sizes([_record("ssa", "passkey", "accuracy", 1.0, 0.4)]) == [MARKER_SIZE]
+    import matplotlib.pyplot as plt
+
+    plt.close(figure)
+    assert plot_quality(records, tmp_path / "quality.png").stat().st_size > 10_000

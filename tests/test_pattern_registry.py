@@ -201,6 +201,89 @@ def test_every_registered_pattern_round_trips_through_its_config(name):
         _same_behaviour(pattern, rebuilt)
 
 
+def _without(config, key):
+    return {k: v for k, v in config.items() if k != key}
+
+
+@pytest.mark.parametrize("name", sorted(registered_patterns()))
+def test_a_config_that_lacks_an_argument_is_refused_naming_it(name):
+    """A saved config lacking any argument its pattern's config() writes does not load with the default."""
+    for pattern in _examples(name):
+        config = json.loads(json.dumps(pattern.config()))
+        optional = type(pattern).optional_arguments
+        for key in config:
+            if key == "type":
+                continue
+            if key in optional:
+                assert Pattern.from_config(_without(config, key)).config() == pattern.config()
+                continue
+            message = rf"config of '{name}' lacks \['{key}'\]: a config names every argument"
+            with pytest.raises(ValueError, match=message):
+                Pattern.from_config(_without(config, key))
+            with pytest.raises(ValueError, match=message):
+                type(pattern).from_config(_without(config, key))
+
+
+def test_a_part_of_a_combination_that_lacks_an_argument_is_refused_naming_it():
+    inner = {"type": "sink_window", "sink": 2, "window": 6, "unit": 1}
+    for kind in ("union", "intersection"):
+        config = {"type": kind, "parts": [{"type": "causal"}, _without(inner, "window")]}
+        with pytest.raises(ValueError, match=r"config of 'sink_window' lacks \['window'\]"):
+            Pattern.from_config(config)
+        with pytest.raises(ValueError, match=rf"config of '{kind}' lacks \['parts'\]"):
+            Pattern.from_config({"type": kind})
+    per_head = PerHead([Causal(), SinkWindow(2, 6) | DilatedWindow(9, 3)], [1, 0]).config()
+    per_head["patterns"][1]["parts"][1].pop("dilation")
+    with pytest.raises(ValueError, match=r"config of 'dilated_window' lacks \['dilation'\]"):
+        Pattern.from_config(per_head)
+
+
+def test_a_saved_file_that_lacks_an_argument_is_refused(tmp_path):
+    """The user's report: "window" deleted from flexsparse.json loaded as SinkWindow(window=2048), not the saved 16."""
+    from flexsparse.integrations import check_config, convert, load_config, save_config
+    from tests.hf_util import tiny_model
+
+    model = convert(tiny_model("llama"), {"full": Causal(), "ssa": SinkWindow(4, 16)}, [["full", "ssa"]] * 3,
+                    backend="dense", router="head")
+    path = save_config(model, tmp_path)
+    good = json.loads(path.read_text())
+    assert check_config(tmp_path) == path
+    lacking_window = {**good, "patterns": {**good["patterns"], "ssa": _without(good["patterns"]["ssa"], "window")}}
+    router = good["layers"][0]["router"]
+    lacking_pool = {**good, "layers": [{**entry, "router": _without(router, "pool_size")} for entry in good["layers"]]}
+    for config, message in [(lacking_window, r"config of 'sink_window' lacks \['window'\]"),
+                            (lacking_pool, r"config of a 'head' router lacks \['pool_size'\]")]:
+        path.write_text(json.dumps(config))
+        for load in (lambda: load_config(tiny_model("llama"), tmp_path), lambda: check_config(tmp_path)):
+            with pytest.raises(ValueError, match=message) as info:
+                load()
+            assert str(path) in str(info.value)
+
+
+def test_check_config_finds_what_load_config_would_refuse_without_a_model(tmp_path):
+    from flexsparse.integrations import check_config, convert, save_config
+    from tests.hf_util import tiny_model
+
+    path = save_config(convert(tiny_model("llama"), {"full": Causal(), "ssa": SinkWindow(4, 16)},
+                               [["full", "ssa"]] * 3, backend="dense", router="head"), tmp_path)
+    good = json.loads(path.read_text())
+    with pytest.raises(ValueError, match="no saved flexsparse configuration"):
+        check_config(tmp_path / "elsewhere")
+    cases = [({**good, "layers": [{**good["layers"][0], "modes": ["full", "xa"]}] * 3},
+              r"layers\[0\] has modes \['xa'\] that its patterns \['full', 'ssa'\] lack"),
+             ({**good, "patterns": {"full": {"type": "causal"}, "ssa": {"type": "nope"}}},
+              "unknown pattern type 'nope'"),
+             ({**good, "version": 9}, "has version 9")]
+    for config, message in cases:
+        path.write_text(json.dumps(config))
+        with pytest.raises(ValueError, match=message):
+            check_config(path)
+    path.write_text(json.dumps(good))
+    (tmp_path / good["weights"]).unlink()
+    with pytest.raises(ValueError, match="learned tensors 'flexsparse.safetensors' are not beside it"):
+        check_config(tmp_path)
+
+
 def test_configs_name_their_arguments():
     assert SinkWindow(4, 8).config() == {"type": "sink_window", "sink": 4, "window": 8, "unit": 1}
     assert XAttention([0.5, 0.9]).config()["threshold"] == [0.5, 0.9]  # per-head thresholds as a list
@@ -281,10 +364,13 @@ def test_bad_configs_are_value_errors():
         ({"type": "sink_window", "size": 4},
          r"config of 'sink_window' has unknown keys \['size'\]; known: \['sink', 'window', 'unit'\]"),
         ({"type": "esa", "layer_idx": 0, "num_layers": 2}, r"config of 'esa' lacks \['attn_length', 'num_heads'\]"),
-        ({"type": "sink_window", "sink": "4"}, "bad arguments in the config .*sink must be an int"),
-        ({"type": "sink_window", "window": 0}, "window must be >= 1"),
+        ({"type": "sink_window", "sink": "4", "window": 8, "unit": 1},
+         "bad arguments in the config .*sink must be an int"),
+        ({"type": "sink_window", "sink": 4, "window": 0, "unit": 1}, "window must be >= 1"),
         ({"type": "union", "parts": [{"type": "causal"}, {"kind": "causal"}]}, "dict with a 'type'"),
-        ({"type": "block_table", "table": [[[[1, 0]]]], "table_block": 16}, "table must be a bool tensor"),
+        ({"type": "union", "parts": 3}, r"bad arguments in the config"),
+        ({"type": "block_table", "table": [[[[1, 0]]]], "table_block": 16, "q_start": 0},
+         "table must be a bool tensor"),
     ]
     for config, message in cases:
         with pytest.raises(ValueError, match=message):
@@ -334,3 +420,7 @@ def test_routers_register_once_by_kind():
     with pytest.raises(ValueError, match=r"unknown router kind 'mlp'; known: \['head', 'layer'\]"):
         Router.from_config({"kind": "mlp", "head_dim": 8})
     assert type(Router.from_config(LayerRouter(8).config())) is LayerRouter
+    saved = LayerRouter(8, full_mode=1, sparse_mode=0).config()
+    for key in Router.config_keys:  # a config names every argument, as a pattern's does
+        with pytest.raises(ValueError, match=rf"config of a 'layer' router lacks \['{key}'\]"):
+            Router.from_config({k: v for k, v in saved.items() if k != key})

@@ -45,8 +45,8 @@ from flexsparse.eval.swapped_attention import attention_swapped
 from flexsparse.eval.tasks import passkey_prompt
 from flexsparse.eval.text import Corpus
 from flexsparse.integrations.serialization import save_config
-from flexsparse.integrations.transformers import attention_layers, convert, layer_heads, revert
-from flexsparse.masks import Causal, Pattern, SinkWindow
+from flexsparse.integrations.transformers import attention_layers, convert, is_converted, layer_heads, revert
+from flexsparse.masks import Causal, Geometry, Pattern, SinkWindow
 from flexsparse.routers.selection import (
     entropy_selection,
     hsa_discrepancy,
@@ -186,6 +186,60 @@ def entropy_scores(model: nn.Module, inputs: CalibrationInputs, *, batch_size: i
     return (total / len(inputs.ids)).float()
 
 
+# ----- checks -----------------------------------------------------------------------------------------------
+
+def check_reach(sparse: Pattern, length: int) -> None:
+    """A ValueError when calibration prompts of ``length`` tokens lie within the reach of ``sparse``: every
+    query of them attends every earlier key, as a full head does, so no selector's score can tell heads apart
+    (HSA's are all 0, trained gates all equal). Content-dependent patterns (XAttention) are not checked."""
+    if sparse.is_dynamic:
+        return
+    attended = sparse.attended(Geometry(sparse.required_heads or 1, length))  # [B', H', length]
+    if not bool((attended == torch.arange(1, length + 1)).all()):
+        return
+    if isinstance(sparse, SinkWindow):
+        reach = sparse.sink + sparse.window
+        why = f"sink + window = {sparse.sink} + {sparse.window} = {reach:,} >= {length:,}"
+        fix = f"calibrate on prompts longer than {reach:,} tokens, or with a smaller sink + window"
+    else:
+        why = f"{sparse!r} attends every earlier key of {length:,} tokens"
+        fix = "calibrate on longer prompts, or with a sparser pattern"
+    raise ValueError(f"the calibration prompts fit inside the sparse pattern's reach ({why}): its heads would attend "
+                     f"every key there, as full heads do, so every score would be meaningless; {fix}")
+
+
+def _check_calibrate_arguments(model, tokenizer, method, budget, per_layer, sparse, corpus, length, samples,
+                               batch_size, gates, search, seed, progress, tp_size) -> None:
+    """:func:`calibrate`'s arguments, each checked before any work (TypeError / ValueError naming it)."""
+    attention_layers(model)  # a TypeError unless a transformers model, a ValueError naming a layer flexsparse can't run
+    if is_converted(model):
+        raise ValueError("model must not be converted (flexsparse.revert(model) first): calibration runs the "
+                         "model's own attention")
+    if not callable(tokenizer) or not callable(getattr(tokenizer, "decode", None)):
+        raise TypeError(f"tokenizer must be the model's tokenizer (callable, with decode), got "
+                        f"{type(tokenizer).__name__}")
+    if method not in SELECTORS:
+        raise ValueError(f"method must be one of {SELECTORS}, got {method!r}")
+    as_float("budget", budget, minimum=0.0, maximum=1.0)
+    for name, value in (("per_layer", per_layer), ("progress", progress)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    if not isinstance(sparse, Pattern):
+        raise TypeError(f"sparse must be a flexsparse Pattern, got {type(sparse).__name__}")
+    if corpus is not None and not isinstance(corpus, Corpus):
+        raise TypeError(f"corpus must be a flexsparse.eval.Corpus or None, got {type(corpus).__name__}")
+    as_int("length", length, minimum=64)
+    as_int("samples", samples, minimum=1)
+    if batch_size is not None:
+        as_int("batch_size", batch_size, minimum=1)
+    if not isinstance(gates, GateOptions):
+        raise TypeError(f"gates must be a GateOptions, got {type(gates).__name__}")
+    if not isinstance(search, SearchOptions):
+        raise TypeError(f"search must be a SearchOptions, got {type(search).__name__}")
+    as_int("seed", seed)
+    as_int("tp_size", tp_size, minimum=1)
+
+
 # ----- selection and the result -----------------------------------------------------------------------------
 
 def select(scores: Tensor, budget: float, *, per_layer: bool = True, layer_scores: bool = False,
@@ -312,11 +366,20 @@ def calibrate(model: nn.Module, tokenizer, *, method: str = "retrieval", budget:
         batch_size: prompts per forward (default on CUDA: 16K tokens per batch, 8K for gates; 1 on CPU).
         gates: training options of the ``gates`` selector (and of ``search``'s starting gates).
         search: options of the ``search`` selector (its windows' length defaults to ``length``).
+        seed: seeds the passkey prompts and the gates' batch order.
+        progress: progress bars on stderr (and gate training's cost, once its first step is timed).
         tp_size: tensor-parallel ranks the modes are for (transformers' ``tp_plan``); above 1 every layer keeps
             the same number of full heads on every rank, each rank its best-scoring ones.
+
+    Every argument is checked first (a TypeError / ValueError naming it), and calibration prompts that lie within
+    ``sparse``'s reach (sink + window >= length: its heads attend every key there) are a ValueError
+    (:func:`check_reach`).
     """
+    _check_calibrate_arguments(model, tokenizer, method, budget, per_layer, sparse, corpus, length, samples,
+                               batch_size, gates, search, seed, progress, tp_size)
     if method == "search" and tp_size != 1:
         raise ValueError("the search selector chooses for one rank (tp_size=1); use gates for tensor parallelism")
+    check_reach(sparse, length)
     corpus = Corpus.from_text(tokenizer) if corpus is None else corpus
     scores = calibration_scores(model, tokenizer, method, sparse=sparse, corpus=corpus, length=length,
                                 samples=samples, batch_size=batch_size, gates=gates, seed=seed, progress=progress)

@@ -8,6 +8,7 @@ command runs, not when the parser is built.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -15,25 +16,63 @@ DEFAULT_METHODS = ("full", "ssa", "index", "retrieval", "xa", "triangle", "esa")
 
 
 def _cuda(device: str | None) -> bool:
+    """Whether the command runs on CUDA; ``--device`` checked (cpu, cuda or cuda:N, a CUDA device present)."""
     import torch
 
     if device is None:
         return torch.cuda.is_available()
-    if device.startswith("cuda") and not torch.cuda.is_available():
+    try:
+        found = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"--device {device!r} is not a device; use cpu, cuda or cuda:N") from None
+    if found.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {device!r}: the model runs on cpu or cuda")
+    if found.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {device} needs a CUDA device, and torch sees none")
-    return device.startswith("cuda")
+    return found.type == "cuda"
 
 
-def _positive(name: str, values) -> None:
+def _positive(name: str, values, minimum: int = 1) -> None:
+    """Each given value of an integer option at least ``minimum`` (None: not given, the default applies)."""
     for value in values if isinstance(values, (list, tuple)) else [values]:
-        if value is not None and value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
+        if value is not None and value < minimum:
+            raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
-def _corpus(loaded, texts: list[str] | None):
-    from flexsparse.eval.text import Corpus, read_texts
+def _given(value, default):
+    """An option's value, or its default when it was not given (0 is a value: it is checked, never replaced)."""
+    return default if value is None else value
 
-    return Corpus.from_text(loaded.tokenizer, read_texts(texts) if texts else None)
+
+def _texts(paths: list[str] | None) -> str | None:
+    """The --text files' text, read before the model loads (an unreadable file is a one-line error now)."""
+    from flexsparse.eval.text import read_texts
+
+    if not paths:
+        return None
+    try:
+        return read_texts(paths)
+    except UnicodeDecodeError as err:
+        raise ValueError(f"--text: a file is not UTF-8 text ({err})") from None
+    except OSError as err:
+        raise ValueError(f"--text: cannot read {err.filename}: {err.strerror}") from None
+
+
+def _output_folder(option: str, folder: str, files: tuple[str, ...]) -> Path:
+    """``folder`` as a folder the command can write ``files`` into (it may not exist yet), checked before any
+    work: an existing file there, or a folder that cannot be created or written, is a ValueError."""
+    path = Path(folder)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{option} {folder}: is a file, not a folder (give a folder for {', '.join(files)})")
+    for name in files:
+        if (path / name).is_dir():
+            raise ValueError(f"{option} {folder}: {name} there is a folder; the command writes a file of that name")
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise ValueError(f"{option} {folder}: {existing} is a file, so the folder cannot be created")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{option} {folder}: {existing} is not writable")
+    return path
 
 
 def _load(args: argparse.Namespace):
@@ -43,53 +82,71 @@ def _load(args: argparse.Namespace):
     return load_model(args.model, device=args.device)
 
 
-def _gate_options(steps: int):
-    from flexsparse.eval.gates import GateOptions
-
-    return GateOptions(steps=steps)
-
-
 def _search_options(length: int | None, cuda: bool):
     """The search selector's options: on the CPU one text window and one passkey prompt (every tried choice is a
     forward of them: minutes for the default model)."""
     from flexsparse.eval.head_search import SearchOptions
 
-    if length is not None:
-        _positive("--search-length", length)
     if cuda:
         return SearchOptions(text_length=length)
     return SearchOptions(text_length=length, text_windows=1, passkey_prompts=1)
 
 
-def run_eval(args: argparse.Namespace) -> int:
+def _eval_methods(args: argparse.Namespace, calibration_length: int) -> list:
+    """The methods of ``--methods`` (default: every default method, or with ``--config`` full attention only)
+    and of ``--config``, each checked as far as it can be without the model."""
     from flexsparse.eval.methods import ConfigMethod, parse_method
-    from flexsparse.eval.records import RESULTS_FILE, format_table, with_ratios, write_records
-    from flexsparse.eval.runner import evaluate
-    from flexsparse.eval.tasks import get_task
+    from flexsparse.integrations.serialization import check_config
 
-    cuda = _cuda(args.device)
-    lengths = args.lengths or ([2048, 4096, 8192] if cuda else [1024])
-    trials = args.trials or (20 if cuda else 4)
-    _positive("--lengths", lengths)
-    _positive("--trials", trials)
-    for name in args.tasks:
-        get_task(name)
-    methods = [parse_method(spec) for spec in (args.methods if args.methods is not None else DEFAULT_METHODS)]
+    specs = args.methods if args.methods is not None else ("full",) if args.config else DEFAULT_METHODS
+    methods = [parse_method(spec) for spec in specs]
+    for method in methods:
+        try:
+            method.check(calibration_length)
+        except ValueError as err:
+            raise ValueError(f"{err} (--calibration-length)") from None
     for directory in args.config or []:
         if not (Path(directory) / "flexsparse.json").is_file() and not Path(directory).is_file():
             raise ValueError(f"--config {directory}: no saved flexsparse configuration there "
                              "(flexsparse.save_config or flexsparse calibrate --out writes one)")
+        check_config(directory)
         methods.append(ConfigMethod(Path(directory)))
     if not methods:
         raise ValueError("no methods to evaluate: give --methods and/or --config")
+    return methods
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    from flexsparse.eval.gates import GateOptions
+    from flexsparse.eval.plots import PLOT_FILE
+    from flexsparse.eval.records import RESULTS_FILE, format_table, with_ratios, write_records
+    from flexsparse.eval.runner import evaluate
+    from flexsparse.eval.tasks import get_task
+    from flexsparse.eval.text import Corpus
+
+    # every input is checked here, before the model loads; what needs the model, evaluate checks before a forward
+    for option in ("trials", "batch_tokens", "calibration_samples", "gate_steps"):
+        _positive(f"--{option.replace('_', '-')}", getattr(args, option))
+    _positive("--lengths", args.lengths, minimum=64)
+    _positive("--calibration-length", args.calibration_length, minimum=64)
+    _positive("--search-length", args.search_length, minimum=64)
+    cuda = _cuda(args.device)
+    lengths = _given(args.lengths, [2048, 4096, 8192] if cuda else [1024])
+    trials = _given(args.trials, 20 if cuda else 4)
+    calibration_length = _given(args.calibration_length, min(2048, max(lengths)))
+    for name in args.tasks:
+        get_task(name)
+    methods = _eval_methods(args, calibration_length)
     if not args.no_plot:
         import importlib.util
 
         if importlib.util.find_spec("matplotlib") is None:
             raise ImportError("the quality plot needs matplotlib: pip install 'flexsparse[plot]' (or --no-plot)")
-    out = Path(args.out)
+    out = _output_folder("--out", args.out, (RESULTS_FILE,) if args.no_plot else (RESULTS_FILE, PLOT_FILE))
+    text = _texts(args.text)
+    gates = GateOptions(steps=_given(args.gate_steps, 200 if cuda else 10))
     loaded = _load(args)
-    corpus = _corpus(loaded, args.text)
+    corpus = Corpus.from_text(loaded.tokenizer, text)
     records = []
 
     def keep(record) -> None:
@@ -97,38 +154,51 @@ def run_eval(args: argparse.Namespace) -> int:
         write_records(with_ratios(records), out / RESULTS_FILE)
 
     evaluate(loaded, methods, args.tasks, lengths, trials, corpus=corpus, backend=args.backend,
-             batch_tokens=args.batch_tokens, calibration_length=args.calibration_length or min(2048, max(lengths)),
-             calibration_samples=args.calibration_samples or (8 if cuda else 2),
-             gates=_gate_options(args.gate_steps or (200 if cuda else 10)),
+             batch_tokens=args.batch_tokens, calibration_length=calibration_length,
+             calibration_samples=_given(args.calibration_samples, 8 if cuda else 2), gates=gates,
              search=_search_options(args.search_length, cuda), seed=args.seed, progress=not args.quiet,
              on_record=keep)
     final = with_ratios(records)
     print(format_table(final))
     print(f"wrote {write_records(final, out / RESULTS_FILE)}")
     if not args.no_plot:
-        from flexsparse.eval.plots import PLOT_FILE, plot_quality
+        from flexsparse.eval.plots import plot_quality
 
         print(f"wrote {plot_quality(final, out / PLOT_FILE, title=loaded.name)}")
     return 0
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
-    from flexsparse.eval.calibration import calibrate
+    from flexsparse.eval.calibration import SCORES_FILE, calibrate, check_reach
+    from flexsparse.eval.gates import GateOptions
+    from flexsparse.eval.text import Corpus
+    from flexsparse.integrations.serialization import CONFIG_FILE
     from flexsparse.masks import SinkWindow
 
-    cuda = _cuda(args.device)
-    length = args.length or (2048 if cuda else 512)
-    samples = args.samples or (8 if cuda else 2)
-    _positive("--length", length)
-    _positive("--samples", samples)
+    # every input is checked here, before the model loads
+    for option in ("samples", "gate_steps"):
+        _positive(f"--{option.replace('_', '-')}", getattr(args, option))
+    _positive("--length", args.length, minimum=64)
+    _positive("--search-length", args.search_length, minimum=64)
+    _positive("--sink", args.sink, minimum=0)
+    _positive("--window", args.window)
     if not 0.0 <= args.budget <= 1.0:
         raise ValueError(f"--budget must be a fraction of KV heads in [0, 1], got {args.budget}")
+    cuda = _cuda(args.device)
+    length = _given(args.length, 2048 if cuda else 512)
     sparse = SinkWindow(sink=args.sink, window=args.window)
+    try:
+        check_reach(sparse, length)
+    except ValueError as err:
+        raise ValueError(f"--length {length}, --sink {args.sink}, --window {args.window}: {err}") from None
+    out = _output_folder("--out", args.out, (CONFIG_FILE, SCORES_FILE))
+    text = _texts(args.text)
+    gates = GateOptions(steps=_given(args.gate_steps, 200 if cuda else 10))
     loaded = _load(args)
-    corpus = _corpus(loaded, args.text)
+    corpus = Corpus.from_text(loaded.tokenizer, text)
     result = calibrate(loaded.model, loaded.tokenizer, method=args.method, budget=args.budget,
                        per_layer=not args.global_budget, sparse=sparse, corpus=corpus, length=length,
-                       samples=samples, gates=_gate_options(args.gate_steps or (200 if cuda else 10)),
+                       samples=_given(args.samples, 8 if cuda else 2), gates=gates,
                        search=_search_options(args.search_length, cuda), seed=args.seed,
                        progress=not args.quiet)
     for layer, (modes, scores) in enumerate(zip(result.modes, result.scores.tolist())):
@@ -139,7 +209,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
               f"{result.search['evaluations']} evaluations")
     print(f"{args.method}: {result.full_fraction:.3f} of the KV heads full "
           f"({'global budget' if args.global_budget else 'per layer'}), the others {sparse!r}")
-    path = result.save(loaded.model, args.out)
+    path = result.save(loaded.model, out)
     print(f"wrote {path} (flexsparse.load_config / flexsparse eval --config {args.out})")
     return 0
 
@@ -165,9 +235,10 @@ def add_eval_command(subparsers) -> None:
                         help="method specs: full, ssa, index, xa, triangle, esa, hsa, retrieval, entropy, gates, "
                              "search, "
                              "with options as name:key=value,... e.g. 'gates:budget=0.3333,global=1' "
-                             f"(default: {' '.join(DEFAULT_METHODS)})")
+                             f"(default: {' '.join(DEFAULT_METHODS)}; with --config: full)")
     parser.add_argument("--config", nargs="+", default=None, metavar="DIR",
-                        help="saved configurations to evaluate too (flexsparse calibrate --out / save_config)")
+                        help="saved configurations to evaluate (flexsparse calibrate --out / save_config); without "
+                             "--methods, beside full attention only")
     parser.add_argument("--text", nargs="+", default=None, metavar="FILE",
                         help="your corpus (UTF-8 files); default: Python's documentation (pydoc_data.topics)")
     parser.add_argument("--out", default="eval-results", help="output folder (default eval-results)")
@@ -189,7 +260,9 @@ def add_eval_command(subparsers) -> None:
                              "length)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-plot", action="store_true", help="skip quality.png")
-    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    parser.add_argument("--quiet", action="store_true",
+                        help="no progress on stderr (the overall bar with the time left, per-run bars, gate training's "
+                             "cost)")
     parser.set_defaults(run=run_eval)
 
 
@@ -218,6 +291,6 @@ def add_calibrate_command(subparsers) -> None:
                         help="calibration corpus (default pydoc topics)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    parser.add_argument("--quiet", action="store_true", help="no progress on stderr (bars, gate training's cost)")
     parser.add_argument("--out", required=True, help="folder for flexsparse.json (+ calibration.json)")
     parser.set_defaults(run=run_calibrate)

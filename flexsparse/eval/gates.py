@@ -13,6 +13,8 @@ penalty pulling every gate to 0: the ``gates`` selector of :mod:`flexsparse.eval
 from __future__ import annotations
 
 import contextlib
+import sys
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -39,6 +41,12 @@ class GateOptions:
     lr: float = 0.1
     sparsity_weight: float = 0.05
     init_logit: float = 2.0
+
+    def __post_init__(self) -> None:
+        as_int("steps", self.steps, minimum=1)
+        as_float("lr", self.lr, positive=True)
+        as_float("sparsity_weight", self.sparsity_weight, minimum=0.0)
+        as_float("init_logit", self.init_logit)
 
 
 def _gated_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask,
@@ -89,13 +97,29 @@ def _steps(steps: int, progress: bool) -> Iterable[int]:
         return range(steps)
     from tqdm.auto import tqdm
 
-    return tqdm(range(steps), total=steps, desc="gates", leave=False)
+    return tqdm(range(steps), total=steps, desc="gates", leave=False, file=sys.stderr)
+
+
+def _duration(seconds: float) -> str:
+    """``seconds`` as s, min or h."""
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
+
+
+def cost_estimate(first_step: float, steps: int, batch: tuple[int, int], device: torch.device) -> str:
+    """What gate training will cost, from its first step's seconds: one line (printed once, before the rest)."""
+    return (f"gate training: {steps} steps of {batch[0]} x {batch[1]:,} tokens on {device.type}; the first took "
+            f"{_duration(first_step)}, so the other {steps - 1} will take about {_duration(first_step * (steps - 1))}"
+            " (fewer steps: GateOptions.steps, --gate-steps)")
 
 
 def gate_scores(model: nn.Module, ids: Tensor, sparse: Pattern, *, options: GateOptions = GateOptions(),
                 batch_size: int = 1, seed: int = 0, progress: bool = False) -> Tensor:
     """DuoAttention-style gates ``[L, H_kv]`` in (0, 1), trained on the prompts ``ids`` ``[N, S]`` by distilling
-    the full model's last hidden states (see the module docstring). The model's weights are not changed."""
+    the full model's last hidden states (see the module docstring). The model's weights are not changed.
+    ``progress``: a bar on stderr, and once the first step is timed, one line with what the others will cost
+    (:func:`cost_estimate`: on a CPU one step of the default model can take minutes)."""
     steps = as_int("steps", options.steps, minimum=1)
     device = next(model.parameters()).device
     decoder = model.get_decoder()
@@ -109,7 +133,13 @@ def gate_scores(model: nn.Module, ids: Tensor, sparse: Pattern, *, options: Gate
     logits = nn.Parameter(torch.full((len(layers), kv_heads), float(options.init_logit), device=device))
     optimizer = torch.optim.Adam([logits], lr=as_float("lr", options.lr, positive=True))
     with gated(model, logits, sparse, max(8192, ids.shape[1])), torch.enable_grad():
+        started = time.perf_counter()
         for step in _steps(steps, progress):
+            if step == 1 and progress:
+                from tqdm.auto import tqdm
+
+                tqdm.write(cost_estimate(time.perf_counter() - started, steps, tuple(batches[0].shape), device),
+                           file=sys.stderr)
             index = int(order[step])
             hidden = decoder(input_ids=batches[index], use_cache=False).last_hidden_state.float()
             target = targets[index]

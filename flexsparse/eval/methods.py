@@ -34,12 +34,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from flexsparse.eval.calibration import SELECTORS, calibration_scores, select
+from flexsparse.eval.calibration import SELECTORS, calibration_scores, check_reach, select
 from flexsparse.eval.gates import GateOptions
 from flexsparse.eval.head_search import SearchOptions, search_heads
 from flexsparse.eval.text import Corpus
 from flexsparse.eval.xa_calibration import calibrate_xa, check_calibration
-from flexsparse.integrations import convert, load_config
+from flexsparse.integrations import check_config, convert, is_converted, load_config, revert
 from flexsparse.integrations.layer import sparse_layers
 from flexsparse.integrations.transformers import attention_layers, layer_heads
 from flexsparse.masks import ESA, Causal, Pattern, SinkWindow, TriangleMix, XAttention
@@ -82,6 +82,14 @@ class Setup:
     def convert(self, patterns, modes) -> None:
         convert(self.model, patterns, modes, backend=self.backend, block_size=self.block_size)
 
+    def check_calibration_text(self, length: int) -> None:
+        """A ValueError unless calibration prompts of ``length`` tokens fit the model's context and the corpus's
+        calibration part."""
+        context = getattr(self.model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+        if context is not None and length > context:
+            raise ValueError(f"calibration length {length:,} exceeds the model's context of {context:,} tokens")
+        self.corpus.windows(length, 1, split="calibration")
+
 
 class Method(ABC):
     """An attention method: ``name`` (its spec) and :meth:`apply`, which converts the model (or leaves it
@@ -92,6 +100,11 @@ class Method(ABC):
     @abstractmethod
     def apply(self, setup: Setup) -> None:
         """Convert ``setup.model`` for this method (the runner reverts it afterwards)."""
+
+    def check(self, calibration_length: int, setup: Setup | None = None) -> None:
+        """Refuse (ValueError) before any forward what :meth:`apply` would refuse later: without ``setup`` what
+        the settings alone decide (the command line checks before it loads a model), with one also what its
+        model and corpus decide. Default: nothing to check."""
 
 
 @dataclass
@@ -121,6 +134,15 @@ class StaticMethod(Method):
         modes = [["full"] * self.full_heads + ["sparse"] * (kv_heads - self.full_heads)] * layers
         setup.convert(patterns, modes)
 
+    def check(self, calibration_length: int, setup: Setup | None = None) -> None:
+        """With a setup: converts the model as :meth:`apply` does (no forward), then reverts it."""
+        if setup is not None:
+            try:
+                self.apply(setup)
+            finally:
+                if is_converted(setup.model):
+                    revert(setup.model)
+
 
 @dataclass
 class SelectedMethod(Method):
@@ -147,6 +169,15 @@ class SelectedMethod(Method):
         if self.selector == "search":
             modes = self._searched(setup, key, modes)
         setup.convert({"full": Causal(), "sparse": self.sparse}, modes)
+
+    def check(self, calibration_length: int, setup: Setup | None = None) -> None:
+        """Calibration prompts beyond the sparse pattern's reach; with a setup, within the model and the text."""
+        try:
+            check_reach(self.sparse, calibration_length)
+            if setup is not None:
+                setup.check_calibration_text(calibration_length)
+        except ValueError as err:
+            raise ValueError(f"method {self.name!r} at calibration length {calibration_length:,}: {err}") from None
 
     def _searched(self, setup: Setup, key: tuple, modes: list[list[str]]) -> list[list[str]]:
         options = setup.search
@@ -186,6 +217,16 @@ class CalibratedXAMethod(Method):
         patterns = [{"xa": pattern} for pattern in setup.scores[key].patterns()]
         setup.convert(patterns, [["xa"] * kv_heads] * layers)
 
+    def check(self, calibration_length: int, setup: Setup | None = None) -> None:
+        """Calibration prompts of at least one XA block; with a setup, within the model and the text."""
+        try:
+            if calibration_length < self.block_size:
+                raise ValueError(f"calibration prompts need at least block_size ({self.block_size}) tokens")
+            if setup is not None:
+                setup.check_calibration_text(calibration_length)
+        except ValueError as err:
+            raise ValueError(f"method {self.name!r} at calibration length {calibration_length:,}: {err}") from None
+
 
 @dataclass
 class ConfigMethod(Method):
@@ -198,6 +239,18 @@ class ConfigMethod(Method):
         self.directory = Path(self.directory)
         if not self.name:
             self.name = f"config:{self.directory.name}"
+
+    def check(self, calibration_length: int, setup: Setup | None = None) -> None:
+        """The file is a configuration (:func:`check_config`); with a setup, it loads into the model (which is
+        reverted after)."""
+        if setup is None:
+            check_config(self.directory)
+            return
+        try:
+            load_config(setup.model, self.directory)
+        finally:
+            if is_converted(setup.model):
+                revert(setup.model)
 
     def apply(self, setup: Setup) -> None:
         load_config(setup.model, self.directory)

@@ -182,6 +182,51 @@ def _bar(total: int, description: str, enabled: bool):
     return tqdm(total=total, desc=description, leave=False, file=sys.stderr)
 
 
+class OverallProgress:
+    """One bar on stderr over every (method, task, length) run of an evaluation, with the time left: runs are
+    weighted by their tokens (length x trials), so the estimate holds when lengths differ. A context manager;
+    ``enabled=False`` shows nothing."""
+
+    FORMAT = "{desc} {percentage:3.0f}%|{bar:24}| {elapsed} elapsed, about {remaining} left"
+
+    def __init__(self, runs: Sequence[tuple[str, str, int]], trials: int, enabled: bool) -> None:
+        self.runs, self.trials, self.enabled = list(runs), trials, enabled
+        self.done = 0
+        self._bar = None
+
+    def __enter__(self) -> OverallProgress:
+        if self.enabled:
+            from tqdm.auto import tqdm
+
+            total = sum(length * self.trials for _, _, length in self.runs)
+            self._bar = tqdm(total=total, desc=self._description("starting"), bar_format=self.FORMAT,
+                             file=sys.stderr, position=0, leave=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+    def _description(self, what: str) -> str:
+        return f"eval {self.done}/{len(self.runs)} runs ({what})"
+
+    def preparing(self, method: str) -> None:
+        """Say that ``method`` is preparing (a calibrated one calibrates before its first run)."""
+        if self._bar is not None:
+            self._bar.set_description_str(self._description(f"preparing {method}"))
+
+    def starting(self, method: str, task: str, length: int) -> None:
+        if self._bar is not None:
+            self._bar.set_description_str(self._description(f"{method} {task} {length:,}"))
+
+    def finished(self, length: int) -> None:
+        self.done += 1
+        if self._bar is not None:
+            self._bar.set_description_str(self._description("done" if self.done == len(self.runs) else "next"),
+                                          refresh=False)
+            self._bar.update(length * self.trials)
+
+
 def run_task(setup: Setup, task: Task, length: int, trials: int, batch_tokens: int, seed: int, method: str,
              model_name: str, progress: bool) -> Record:
     """One task at one length under the model's current attention."""
@@ -231,8 +276,14 @@ def evaluate(loaded: LoadedModel, methods: Sequence[Method], tasks: Sequence[str
         backend: HybridAttention backend of converted methods (default :func:`default_backend`).
         batch_tokens: tokens per forward (default 32K on CUDA, 4K on CPU).
         calibration_length, calibration_samples, gates, search: settings of calibrated methods.
+        progress: one bar over every (method, task, length) run with the time left, and bars inside runs, on
+            stderr.
         on_record: called with each record as soon as it is measured (e.g. to write partial results).
     Returns the records in the order measured.
+
+    Every input is checked before the first forward (ValueError): lengths against the model's context and the
+    text, each method against the model (:meth:`~flexsparse.eval.methods.Method.check`: a saved configuration
+    loads into it, calibration prompts reach beyond the sparse pattern).
     """
     model = loaded.model
     if is_converted(model):
@@ -248,6 +299,11 @@ def evaluate(loaded: LoadedModel, methods: Sequence[Method], tasks: Sequence[str
                 raise ValueError(f"length {length:,} exceeds the model's context of {context:,} tokens")
     if not isinstance(trials, int) or trials < 1:
         raise ValueError(f"trials must be an integer >= 1, got {trials!r}")
+    for name, value in (("batch_tokens", batch_tokens), ("calibration_samples", calibration_samples)):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if not isinstance(calibration_length, int) or calibration_length < 64:
+        raise ValueError(f"calibration_length must be an integer >= 64, got {calibration_length!r}")
     device = loaded.device
     every_length = [n for _, sizes in plan for n in sizes]
     setup = Setup(model, loaded.tokenizer, corpus or Corpus.from_text(loaded.tokenizer),
@@ -258,19 +314,28 @@ def evaluate(loaded: LoadedModel, methods: Sequence[Method], tasks: Sequence[str
         batch_tokens = 32768 if device.type == "cuda" else 4096
     # every method and length is its own compiled flex variant: raise the per-process limit for this run
     compiled.MAX_COMPILED_VARIANTS = max(compiled.MAX_COMPILED_VARIANTS, 8 * len(methods) * len(every_length))
-    records: list[Record] = []
+    for length in sorted(set(every_length)):  # the held-out text holds a window of every length
+        setup.corpus.windows(length, 1)
     for method in methods:
-        torch.manual_seed(seed)
-        try:
-            method.apply(setup)
-            for task, task_sizes in plan:
-                for length in task_sizes:
-                    record = run_task(setup, task, length, trials, batch_tokens, seed, method.name, loaded.name,
-                                      progress)
-                    records.append(record)
-                    if on_record is not None:
-                        on_record(record)
-        finally:
-            if is_converted(model):
-                revert(model)
+        method.check(calibration_length, setup)
+    records: list[Record] = []
+    runs = [(method.name, task.name, length) for method in methods for task, sizes in plan for length in sizes]
+    with OverallProgress(runs, trials, progress) as overall:
+        for method in methods:
+            torch.manual_seed(seed)
+            try:
+                overall.preparing(method.name)
+                method.apply(setup)
+                for task, task_sizes in plan:
+                    for length in task_sizes:
+                        overall.starting(method.name, task.name, length)
+                        record = run_task(setup, task, length, trials, batch_tokens, seed, method.name,
+                                          loaded.name, progress)
+                        overall.finished(length)
+                        records.append(record)
+                        if on_record is not None:
+                            on_record(record)
+            finally:
+                if is_converted(model):
+                    revert(model)
     return records

@@ -15,7 +15,7 @@ from flexsparse.integrations.routing import (
     router_parameters,
     training,
 )
-from flexsparse.integrations.serialization import load_config, save_config
+from flexsparse.integrations.serialization import check_config, load_config, save_config
 from flexsparse.integrations.transformers import (
     ATTENTION_NAME,
     cache_argument,
@@ -32,6 +32,7 @@ __all__ = [
     "RouterTrainer",
     "SparseKVCache",
     "cache_argument",
+    "check_config",
     "convert",
     "fused_routers",
     "is_converted",

@@ -12,8 +12,10 @@
      "weights": "flexsparse.safetensors"}                            # only when some layer has learned tensors
 
 Each pattern is its ``Pattern.config()`` (``"type"``: its registered name, then its constructor's arguments) and
-comes back through ``Pattern.from_config``: a registered pattern class needs nothing here. Files written before
-the registry hold the same entries (an argument left out takes its default).
+comes back through ``Pattern.from_config``: a registered pattern class needs nothing here. Every entry names
+every argument of its pattern (and every router entry every key ``Router.config()`` writes): a file that lacks one
+is refused, naming the pattern and the argument, rather than loaded with a default that may not be what was saved.
+Files written before the registry hold the same entries (XAttention's ``compile``, which they lack, is optional).
 
 Learned tensors (parameters and persistent buffers of each layer's flexsparse state: its router's weights) are
 stored in ``flexsparse.safetensors`` under ``layers.<index>.<name>`` (``layers.3.router.task_mlp.0.weight``).
@@ -140,12 +142,45 @@ def _read_config(path: Path) -> dict:
     return config
 
 
+def _config_path(directory: str | Path) -> Path:
+    directory = Path(directory)
+    return directory / CONFIG_FILE if directory.is_dir() else directory
+
+
+def _layer_patterns(config: dict) -> list[dict[str, Pattern]]:
+    """Each layer's patterns by name, built from the configuration's entries."""
+    return [{name: Pattern.from_config(spec) for name, spec in entry.get("patterns", config["patterns"]).items()}
+            for entry in config["layers"]]
+
+
+def check_config(directory: str | Path) -> Path:
+    """Check, without a model, that ``directory`` (or the file itself) holds a configuration :func:`load_config`
+    reads: its entries, every pattern and router config, each layer's modes among its patterns, the weights file
+    present. Returns the JSON file's path; a ValueError names it and what is wrong (whether it fits a model is
+    :func:`load_config`'s to check)."""
+    path = _config_path(directory)
+    if not path.is_file():
+        raise ValueError(f"{path}: no saved flexsparse configuration there (flexsparse.save_config writes one)")
+    config = _read_config(path)
+    try:
+        for index, (entry, patterns) in enumerate(zip(config["layers"], _layer_patterns(config))):
+            unknown = sorted({mode for mode in entry["modes"] if isinstance(mode, str)} - set(patterns))
+            if unknown:
+                raise ValueError(f"layers[{index}] has modes {unknown} that its patterns {sorted(patterns)} lack")
+            if entry.get("router") is not None:
+                Router.from_config(entry["router"])
+    except (TypeError, ValueError) as err:
+        raise (TypeError if isinstance(err, TypeError) else ValueError)(f"{path}: {err}") from err
+    if "weights" in config and not (path.parent / config["weights"]).is_file():
+        raise ValueError(f"{path}: its learned tensors {config['weights']!r} are not beside it")
+    return path
+
+
 def load_config(model: nn.Module, directory: str | Path) -> nn.Module:
     """Convert ``model`` as the saved configuration says (patterns, modes, options) and load its learned tensors;
     returns the model. The model must have the saved layer and head counts. A file that is not such a
     configuration (bad JSON, missing or malformed entries) is a ValueError naming it."""
-    directory = Path(directory)
-    path = directory / CONFIG_FILE if directory.is_dir() else directory
+    path = _config_path(directory)
     config = _read_config(path)
     saved = config["model"]
     modules = attention_layers(model)
@@ -161,8 +196,7 @@ def load_config(model: nn.Module, directory: str | Path) -> nn.Module:
     if any(routers):
         factory = lambda index: None if routers[index] is None else Router.from_config(routers[index])
     try:
-        patterns = [{name: Pattern.from_config(spec) for name, spec in entry.get("patterns", config["patterns"]).items()}
-                    for entry in config["layers"]]
+        patterns = _layer_patterns(config)
         convert(model, patterns, [entry["modes"] for entry in config["layers"]], router=factory,
                 **config.get("options", {}))
     except (TypeError, ValueError) as err:

@@ -13,7 +13,9 @@ A pattern decides which keys each query may attend, by token position (:mod:`fle
 Every pattern class with its own ``name`` registers itself under it (:func:`pattern_class`,
 :func:`registered_patterns`): text specs (:mod:`flexsparse.specs`) and saved configurations find it there.
 ``pattern.config()`` describes a pattern as JSON data, ``Pattern.from_config`` rebuilds it; by default from the
-arguments its constructor was called with, so a new pattern needs no code for either.
+arguments its constructor was called with, so a new pattern needs no code for either. A config names every
+argument (a saved file that lost one is refused, not completed with a default that may differ from the saved
+value), except those a class lists in ``optional_arguments``: how to compute, never what is attended.
 
 ``B'`` is 1 unless the geometry's positions differ per batch element, and ``H'`` is 1 for patterns that treat
 all heads alike; both broadcast. Every pattern is causal: a key at a later position is never attended.
@@ -163,6 +165,9 @@ class Pattern(ABC):
     """
 
     name: ClassVar[str] = ""
+    optional_arguments: ClassVar[tuple[str, ...]] = ()
+    """Constructor parameters a config may leave out (they take their defaults): ones that change how the pattern is
+    computed, never which keys it attends, and that files written before they existed lack."""
     is_full: bool = False
     """True for full causal attention (FA): such heads count as dense in MSR/ESR and may run on SDPA."""
 
@@ -208,8 +213,9 @@ class Pattern(ABC):
     def from_config(cls, config: Mapping[str, Any]) -> Pattern:
         """The pattern a :meth:`config` dict describes; on ``Pattern`` the class is looked up by ``config["type"]``.
 
-        Missing arguments take the constructor's defaults; unknown or missing required ones, and values the
-        constructor refuses, are a ValueError.
+        The config names every constructor argument (``*parts`` included) but those in ``optional_arguments``:
+        a missing one is a ValueError naming the pattern and the argument, as are unknown keys and values the
+        constructor refuses.
         """
         if not isinstance(config, Mapping) or "type" not in config:
             raise ValueError(f"a pattern config is a dict with a 'type', got {config!r}")
@@ -223,11 +229,12 @@ class Pattern(ABC):
         unknown = sorted(set(arguments) - set(parameters))
         if unknown:
             raise ValueError(f"config of {cls.name!r} has unknown keys {unknown}; known: {list(parameters)}")
-        missing = [key for key, p in parameters.items() if p.default is p.empty and key not in arguments
-                   and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        missing = [key for key, p in parameters.items() if key not in arguments and key not in cls.optional_arguments
+                   and p.kind is not p.VAR_KEYWORD]
         if missing:
-            raise ValueError(f"config of {cls.name!r} lacks {missing}")
-        positional = [arguments.pop(key, ()) for key, p in parameters.items() if p.kind is p.VAR_POSITIONAL]
+            raise ValueError(f"config of {cls.name!r} lacks {missing}: a config names every argument of its pattern "
+                             f"({list(parameters)}), so that it loads as it was saved")
+        positional = [arguments.pop(key) for key, p in parameters.items() if p.kind is p.VAR_POSITIONAL]
         try:
             return cls(*(positional[0] if positional else ()), **arguments)
         except TypeError as err:  # a value of the wrong kind: the config is bad data

@@ -54,6 +54,7 @@ class XAttention(Pattern):
 
     name = "xattention"
     decode_reads = DecodeReads.EVERY_EARLIER_KEY  # decode resolves to full causal attention
+    optional_arguments = ("compile",)  # how the estimator runs; configs saved before it was an argument lack it
 
     def __init__(self, threshold: float | Sequence[float] | Tensor = 0.9, stride: int = 16,
                  block_size: int = 128, compile: bool | None = None, rule: Rule = "plus_one") -> None:

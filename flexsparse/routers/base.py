@@ -154,6 +154,8 @@ class Router(nn.Module):
     (:func:`router_class`)."""
     average_heads: ClassVar[bool] = False
     """Whether the pooled heads are averaged into one MLP input per sequence (one decision for every head)."""
+    config_keys: ClassVar[tuple[str, ...]] = ("head_dim", "pool_size", "full_mode", "sparse_mode", "init_std")
+    """The constructor arguments :meth:`config` writes (the attributes of those names) and a config must name."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -296,12 +298,12 @@ class Router(nn.Module):
 
     def config(self) -> dict:
         """Plain-dict config; :meth:`Router.from_config` rebuilds the module (weights come from the state_dict)."""
-        return {"kind": self.kind, "head_dim": self.head_dim, "pool_size": self.pool_size,
-                "full_mode": self.full_mode, "sparse_mode": self.sparse_mode, "init_std": self.init_std}
+        return {"kind": self.kind, **{key: getattr(self, key) for key in self.config_keys}}
 
     @staticmethod
     def from_config(config: dict) -> Router:
-        """The router a :meth:`config` dict describes (freshly initialised)."""
+        """The router a :meth:`config` dict describes (freshly initialised). It must name every key of the
+        class's ``config_keys`` (a ValueError names the missing ones) and no key the constructor does not take."""
         if not isinstance(config, dict):
             raise TypeError(f"config must be a dict, got {type(config).__name__}")
         cls = router_class(config.get("kind"))
@@ -310,6 +312,10 @@ class Router(nn.Module):
         unknown = sorted(set(fields) - known)
         if unknown:
             raise ValueError(f"config has keys {unknown} that a {cls.__name__} does not take; known: {sorted(known)}")
+        missing = [key for key in cls.config_keys if key not in fields]
+        if missing:
+            raise ValueError(f"config of a {cls.kind!r} router lacks {missing}: a config names every argument "
+                             f"{list(cls.config_keys)}, so that it loads as it was saved")
         return cls(**fields)
 
     def extra_repr(self) -> str:
