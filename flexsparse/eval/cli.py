@@ -86,7 +86,7 @@ def run_eval(args: argparse.Namespace) -> int:
         import importlib.util
 
         if importlib.util.find_spec("matplotlib") is None:
-            raise ImportError("the quality plot needs matplotlib: pip install 'flexsparse[plot]' (or --no-plot)")
+            raise ImportError("the quality plot needs matplotlib: pip install 'flexsparse[eval]' (or --no-plot)")
     out = Path(args.out)
     loaded = _load(args)
     corpus = _corpus(loaded, args.text)
