@@ -33,7 +33,7 @@ CPU runs of 2 layers, hidden 128 at 64-128 tokens confirmed both):
   heads are already local. Without it a full-attention backbone loses the local task under sink+window.
 
     python examples/router_proof.py --device cuda --out bench/results/router-proof
-    python examples/router_proof.py --toy --out /tmp/router-proof      # CPU, seconds; not meant to meet the targets
+    python examples/router_proof.py --toy --out /tmp/router-proof      # CPU, seconds (a check, not the proof)
 
 (with flexsparse installed, ``pip install -e ".[hf]"``, or ``PYTHONPATH=.`` from the repository root).
 
@@ -125,11 +125,11 @@ class ProofConfig:
 TOY = ProofConfig(seq_len=48, pairs=8, keys=16, values=4, symbols=8, answers=2, layers=2, hidden=32, heads=4,
                   kv_heads=2, intermediate=64, sink=2, window=8, pool_size=8, pretrain_steps=30, pretrain_batch=16,
                   router_steps=4, router_batch=8, eval_batch=16)
-"""The CPU toy (``--toy``): checks in seconds that the proof runs end to end. Its 30 pretraining steps are far too
-few to learn the tasks, so it is not meant to meet the targets; they apply to the full run."""
+"""The CPU toy (``--toy``): checks in seconds that the proof runs end to end. Its 30 pretraining steps are far
+too few to learn the tasks, so it is not meant to meet the targets; they apply to the full run."""
 
-TOY_NOTE = ("toy sizes (--toy): a check that the proof runs, far too small to learn the tasks, so the targets are "
-            "not expected to be met here; they apply to the full run (python examples/router_proof.py)")
+TOY_NOTE = ("toy sizes (--toy): a check that the proof runs, far too small to learn the tasks, so the targets "
+            "are not expected to be met here; they apply to the full run (python examples/router_proof.py)")
 
 
 def is_toy(cfg: ProofConfig) -> bool:

@@ -1,5 +1,6 @@
-"""What a new user's eval setup gives: the ``eval`` extra installs what ``flexsparse eval`` needs by default (its
-quality plot too), and the first load of a GGUF file says on stderr what it is doing before the long conversion."""
+"""What a new user's eval setup gives: the ``eval`` extra installs what ``flexsparse eval`` needs by default
+(its quality plot too), and the first load of a GGUF file says on stderr what it is doing before the long
+conversion."""
 
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ def extra(name: str) -> list[str]:
 
 
 def test_the_eval_extra_holds_what_flexsparse_eval_imports_by_default():
-    """``flexsparse eval`` writes quality.png unless --no-plot: matplotlib comes with the eval extra, as do the GGUF
-    loader's packages."""
+    """``flexsparse eval`` writes quality.png unless --no-plot: matplotlib comes with the eval extra, as do the
+    GGUF loader's packages."""
     assert {"transformers", "gguf", "accelerate", "matplotlib"} <= set(extra("eval"))
 
 

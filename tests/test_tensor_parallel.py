@@ -1,7 +1,8 @@
-"""Tensor-parallel inference (transformers' ``DistributedConfig(tp_plan="auto")`` + flexsparse.convert with global
-modes) against one process running the converted model: prefill logits of padded batches, greedy generate()
-tokens, the sparse KV cache's bytes per rank, on 2 and 4 gloo processes on CPU (loopback only), Llama and Qwen3
-tiny configs; the errors; the balanced selection of full heads and the per-rank tile counts (in-process)."""
+"""Tensor-parallel inference (transformers' ``DistributedConfig(tp_plan="auto")`` + flexsparse.convert with
+global modes) against one process running the converted model: prefill logits of padded batches, greedy
+generate() tokens, the sparse KV cache's bytes per rank, on 2 and 4 gloo processes on CPU (loopback only), Llama
+and Qwen3 tiny configs; the errors; the balanced selection of full heads and the per-rank tile counts
+(in-process)."""
 
 from __future__ import annotations
 
@@ -102,9 +103,9 @@ def generate_with_cache(model, ids, mask):
 
 
 def load_sharded(path: str):
-    """The saved model, sharded over the process group by transformers' tensor parallelism, as the distributed guide
-    loads it: ``distributed_config`` (built after the process group's environment is set), not the deprecated
-    ``tp_plan=`` argument, which transformers 5.24 warns about."""
+    """The saved model, sharded over the process group by transformers' tensor parallelism, as the distributed
+    guide loads it: ``distributed_config`` (built after the process group's environment is set), not the
+    deprecated ``tp_plan=`` argument, which transformers 5.24 warns about."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,

@@ -98,8 +98,9 @@ def _gguf_directory(path: Path, cache: bool) -> Path | None:
 
     _require("gguf", f"loading {path.name}")
     _require("accelerate", f"loading {path.name}")
-    print(f"flexsparse: converting {path.name} to a float32 model in {directory} (once; about a minute for the "
-          "default model, whose copy takes about 0.5 GB; later loads read it in seconds)", file=sys.stderr, flush=True)
+    print(f"flexsparse: converting {path.name} to a float32 model in {directory} (once; about a minute for "
+          "the default model, whose copy takes about 0.5 GB; later loads read it in seconds)", file=sys.stderr,
+          flush=True)
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     loaded = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     config = loaded.config
