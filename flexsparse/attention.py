@@ -64,7 +64,8 @@ class HybridAttention(nn.Module):
         check_finite: raise a ValueError naming q, k or v when it holds NaN or inf (one host sync per call).
             Without it, what NaN/inf give depends on the backend: on dense, a bad key or value makes every row
             of its heads NaN, on flex_eager a bad key the rows that attend it and a bad value every row; compiled
-            flex works per tile and may return finite but wrong rows (README, "NaN/inf").
+            flex works per tile and may return finite but wrong rows (docs/guide/hybrid-attention.md, "NaN and
+            inf").
 
     ``forward(q, k, v, modes=None, *, key_padding_mask=None, positions=None, scale=None)`` takes q
     ``[B, H, S_q, d]`` and k/v ``[B, H_kv, S_kv, d]`` (SDPA layout) and returns ``[B, H, S_q, d]``. Queries are

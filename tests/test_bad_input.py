@@ -205,7 +205,7 @@ def test_last_stats_of_a_decode_step_whose_new_token_is_padding():
     assert both == pytest.approx(attn.last_stats.as_dict(), abs=1e-6)
 
 
-# ----- what a NaN gives without check_finite (README, "NaN/inf") ---------------------------------------------------
+# ----- what a NaN gives without check_finite (docs/guide/hybrid-attention.md, "NaN and inf") ----------------
 
 def nan_rows(backend, where):
     """Rows ``[head, query]`` that come out NaN when token 30 of k, v or q holds NaN; and the pattern's mask."""

@@ -7,7 +7,18 @@ import json
 import pytest
 import torch
 
-from examples.router_proof import TOY, build_model, make_batch, mixed_batch, patterns, run_proof
+from examples.router_proof import (
+    TOY,
+    TOY_NOTE,
+    ProofConfig,
+    build_model,
+    is_toy,
+    make_batch,
+    mixed_batch,
+    patterns,
+    run_proof,
+    table,
+)
 from flexsparse.integrations import (
     RouterTrainer,
     convert,
@@ -192,6 +203,16 @@ def test_proof_script_runs_at_toy_size(tmp_path):
     assert json.loads((tmp_path / "router-proof.json").read_text())["static_rho"] == report["static_rho"]
     assert "retrieval acc" in (tmp_path / "router-proof.txt").read_text()
     assert (tmp_path / "head-router-log.jsonl").exists() and (tmp_path / "layer-router" / "step-4").is_dir()
+    # the toy cannot learn the tasks: its table says the targets are not meant to be met at its sizes
+    assert report["toy"] and (tmp_path / "router-proof.txt").read_text().rstrip().endswith(TOY_NOTE)
+    assert TOY_NOTE not in table({**report, "toy": False})
+
+
+def test_toy_sizes_are_recognised_at_any_seed():
+    from dataclasses import replace
+
+    assert is_toy(TOY) and is_toy(replace(TOY, seed=3, backend="flex_eager"))
+    assert not is_toy(ProofConfig()) and not is_toy(replace(TOY, pretrain_steps=1600))
 
 
 def test_retrieval_data_puts_the_answer_far_beyond_the_window():

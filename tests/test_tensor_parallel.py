@@ -1,13 +1,15 @@
-"""Tensor-parallel inference (transformers' ``tp_plan="auto"`` + flexsparse.convert with global modes) against one
-process running the converted model: prefill logits of padded batches, greedy generate() tokens, the sparse KV
-cache's bytes per rank, on 2 and 4 gloo processes on CPU (loopback only), Llama and Qwen3 tiny configs; the
-errors; the balanced selection of full heads and the per-rank tile counts (in-process)."""
+"""Tensor-parallel inference (transformers' ``DistributedConfig(tp_plan="auto")`` + flexsparse.convert with
+global modes) against one process running the converted model: prefill logits of padded batches, greedy
+generate() tokens, the sparse KV cache's bytes per rank, on 2 and 4 gloo processes on CPU (loopback only), Llama
+and Qwen3 tiny configs; the errors; the balanced selection of full heads and the per-rank tile counts
+(in-process)."""
 
 from __future__ import annotations
 
 import json
 import os
 import socket
+import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -21,7 +23,7 @@ from safetensors.torch import load_file
 
 pytest.importorskip("accelerate")  # transformers' tp_plan needs it (the eval extra)
 
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+from transformers import AutoModelForCausalLM, DistributedConfig, LlamaConfig, Qwen3Config
 
 import flexsparse
 from flexsparse import ESA, Causal, HybridAttention, SinkWindow, TriangleMix
@@ -100,11 +102,23 @@ def generate_with_cache(model, ids, mask):
     return out, cache
 
 
+def load_sharded(path: str):
+    """The saved model, sharded over the process group by transformers' tensor parallelism, as the distributed
+    guide loads it: ``distributed_config`` (built after the process group's environment is set), not the
+    deprecated ``tp_plan=`` argument, which transformers 5.24 warns about."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                     distributed_config=DistributedConfig(tp_plan="auto")).eval()
+    assert not [w for w in caught if "tp_plan" in str(w.message)], [str(w.message) for w in caught]
+    return model
+
+
 def check_model(path: str, rank: int, world: int) -> None:
     """The converted TP model's logits, tokens and cache bytes against the converted single-process model."""
     ids, mask = inputs()
     single = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    sharded = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, tp_plan="auto").eval()
+    sharded = load_sharded(path)
     assert tensor_parallel_rank(sharded) == (rank, world)
     assert tensor_parallel_rank(single) is None
     for model in (single, sharded):
@@ -160,7 +174,7 @@ def routed_pair(path: str, kind: str, rank: int):
     """The sharded model converted with ``router=kind`` (each rank seeds its routers differently: convert must
     give every rank rank 0's weights) and the single-process model converted with the same routers."""
     single = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    sharded = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, tp_plan="auto").eval()
+    sharded = load_sharded(path)
     torch.manual_seed(ROUTER_SEED + 1000 * rank)
     flexsparse.convert(sharded, ROUTED_PATTERNS, router=kind, router_options=ROUTER_OPTIONS, block_size=4,
                        backend="dense")
@@ -234,7 +248,7 @@ def check_saved(path: str, rank: int, world: int, directory: str) -> None:
         loaded = flexsparse.load_config(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(),
                                         tp_dir)
         got_single = loaded(ids, attention_mask=mask).logits
-        reloaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, tp_plan="auto").eval()
+        reloaded = load_sharded(path)
         got_sharded = flexsparse.load_config(reloaded, tp_dir)(ids, attention_mask=mask).logits
     real = mask.bool()
     assert torch.equal(got_single[real], expected[real])

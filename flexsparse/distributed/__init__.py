@@ -1,6 +1,7 @@
 """Several devices on torch.distributed: sequence-parallel attention (DeepSpeed-Ulysses style all-to-all), of one
 layer or of a converted transformers model (:mod:`.ulysses_lm`), and tensor-parallel inference of transformers
-models sharded with ``tp_plan="auto"`` (:mod:`flexsparse.integrations.tensor_parallel`, re-exported here). The
+models sharded by transformers (``distributed_config=DistributedConfig(tp_plan="auto")``;
+:mod:`flexsparse.integrations.tensor_parallel`, re-exported here). The
 names of both modules are imported on first use: they need transformers."""
 
 from flexsparse.distributed.ulysses import ExchangeBytes, UlyssesAttention, shard_sequence

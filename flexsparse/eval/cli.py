@@ -141,7 +141,7 @@ def run_eval(args: argparse.Namespace) -> int:
         import importlib.util
 
         if importlib.util.find_spec("matplotlib") is None:
-            raise ImportError("the quality plot needs matplotlib: pip install 'flexsparse[plot]' (or --no-plot)")
+            raise ImportError("the quality plot needs matplotlib: pip install 'flexsparse[eval]' (or --no-plot)")
     out = _output_folder("--out", args.out, (RESULTS_FILE,) if args.no_plot else (RESULTS_FILE, PLOT_FILE))
     text = _texts(args.text)
     gates = GateOptions(steps=_given(args.gate_steps, 200 if cuda else 10))

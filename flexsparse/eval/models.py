@@ -5,7 +5,8 @@ The default model is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF (98 MB) by th
 without importing it. transformers loads a GGUF with the ``gguf`` package (dequantized to float32), which takes
 tens of seconds of parsing; the first load therefore writes the dequantized model and its tokenizer to a cache
 directory (``$FLEXSPARSE_CACHE``, else ``$XDG_CACHE_HOME/flexsparse`` or ``~/.cache/flexsparse``), keyed by
-the file's content, and later loads read that directory in seconds.
+the file's content, and later loads read that directory in seconds. For the default model the first load takes
+about a minute on a CPU (62 s on 2 cores) and leaves 517 MiB there; it says so on stderr before it starts.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,6 +98,9 @@ def _gguf_directory(path: Path, cache: bool) -> Path | None:
 
     _require("gguf", f"loading {path.name}")
     _require("accelerate", f"loading {path.name}")
+    print(f"flexsparse: converting {path.name} to a float32 model in {directory} (once; about a minute for "
+          "the default model, whose copy takes about 0.5 GB; later loads read it in seconds)", file=sys.stderr,
+          flush=True)
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     loaded = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     config = loaded.config

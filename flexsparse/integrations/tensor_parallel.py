@@ -1,4 +1,6 @@
-"""Tensor-parallel inference through transformers' own tensor parallelism (``tp_plan="auto"``).
+"""Tensor-parallel inference through transformers' own tensor parallelism (``from_pretrained(...,
+distributed_config=DistributedConfig(tp_plan="auto"))``; transformers 5.17-5.24 also take ``tp_plan="auto"``
+directly, deprecated).
 
 transformers shards ``q_proj``, ``k_proj`` and ``v_proj`` column-wise over the P ranks of its ``"tp"`` mesh: rank
 r holds the contiguous KV heads ``r*H_kv/P .. (r+1)*H_kv/P - 1`` and their query heads (query head ``h*G + i``
@@ -62,7 +64,8 @@ def _tensor_parallel_mesh(model: nn.Module):
     mesh = getattr(model, "_device_mesh", None)
     if mesh is None:
         raise ValueError(f"the model reports tensor-parallel size {size} but has no device mesh (_device_mesh); "
-                         "load it with from_pretrained(..., tp_plan='auto') under torch.distributed")
+                         "load it with from_pretrained(..., distributed_config=DistributedConfig("
+                         "tp_plan='auto')) under torch.distributed")
     names = mesh.mesh_dim_names or ()
     tp_mesh = mesh if mesh.ndim == 1 else mesh["tp"] if "tp" in names else None
     if tp_mesh is None or tp_mesh.size() != int(size):

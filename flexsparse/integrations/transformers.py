@@ -322,7 +322,8 @@ def convert(model: PreTrainedModel, patterns: Mapping[str, Pattern] | Sequence[M
     routed model chooses each sequence's modes at prefill and reuses them at decode; ``generate()`` then uses a
     DynamicCache (every head keeps every key). See :mod:`flexsparse.integrations.routing`.
 
-    Tensor parallelism: a model loaded with ``from_pretrained(..., tp_plan="auto")`` (transformers shards q/k/v
+    Tensor parallelism: a model loaded with ``from_pretrained(..., distributed_config=DistributedConfig(tp_plan=
+    "auto"))`` (transformers shards q/k/v
     by heads; each rank's attention receives its own heads) is converted on every rank with the same, global
     ``modes``; each rank runs its contiguous block of KV heads in their modes and its sparse KV cache holds them
     only (:mod:`flexsparse.integrations.tensor_parallel`). ValueError when a layer's KV heads are not divisible by
