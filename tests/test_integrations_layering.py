@@ -39,3 +39,14 @@ def test_integrations_import_nothing_of_eval():
     offenders = {path.name: _eval_imports(_imported_modules(path.read_text(), "flexsparse.integrations"))
                  for path in files}
     assert {name: found for name, found in offenders.items() if found} == {}
+
+
+def test_the_cache_sits_below_runtime_and_integrations():
+    """cache/ (a sparse KV cache's storage) imports nothing of runtime/, integrations/ or transformers: executors
+    and the transformers Cache build on it, not the other way round."""
+    bad = []
+    for path in sorted((PACKAGE / "cache").glob("*.py")):
+        names = _imported_modules(path.read_text(), "flexsparse.cache")
+        bad += [f"{path.name}: {name}" for name in sorted(names)
+                if name.split(".")[0] == "transformers" or name.startswith(("flexsparse.runtime", "flexsparse.integrations"))]
+    assert not bad, bad

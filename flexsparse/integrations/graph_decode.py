@@ -11,10 +11,11 @@ device from device counters at the start of the step, and the counters advance o
 cache's buffers have their full capacity (its ``max_length``) before the capture, so no step reallocates.
 
 Eligible: a converted model on CUDA whose cache is a :class:`SparseKVCache` with a ``max_length`` and a prompt
-cached, every layer's heads at most two groups of full and token-exact SinkWindow heads (the one-launch step),
-padding at most a left-padded prompt, the same batch and dtype at every step, no more tokens than the cache's
-capacity. Anything else is refused with a ValueError naming why (ESA or "keep" heads, routed layers, layout
-"other", ...). ``generate()`` uses it with ``flexsparse.convert(..., decode_graphs=True)``
+cached, every layer's heads at most two groups whose decode reads every earlier key or a sink and window (the
+one-launch step of :class:`~flexsparse.runtime.fused_decode.FusedDecodeExecutor`), padding at most a left-padded
+prompt, the same batch and dtype at every step, no more tokens than the cache's capacity. Anything else is
+refused with a ValueError naming why (heads whose decode reads their own pattern such as ESA's, routed layers,
+other padding, ...). ``generate()`` uses it with ``flexsparse.convert(..., decode_graphs=True)``
 (:class:`GraphDecodeForward`).
 
 Exactness: a replay runs the kernels of the eager one-launch step on the same values (the bounds and positions

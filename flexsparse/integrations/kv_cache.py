@@ -83,6 +83,7 @@ class SparseKVLayer(CacheLayerMixin):
         self._parts = [(heads, store, group.pattern, tuple(layer.first_kv_head + h for h in group.kv_heads))
                        for heads, store, group in zip(self.q_heads, self.stores, self.groups)]
         self.device_steps: DeviceSteps | None = None  # set while the cache runs device-side steps
+        self._fused = next((e for e in layer.attention.executors if e.fuses_decode), None)
         self._plans: dict[tuple, DecodePlan] = {}
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
@@ -207,7 +208,7 @@ class SparseKVLayer(CacheLayerMixin):
         if q.shape[2] != 1:
             raise ValueError(f"{self.layer.where}: the sparse KV cache runs device-side steps of one token, got "
                              f"{q.shape[2]}; call stop_device_steps() before other forwards")
-        return self._fused_decoder().decode(self._call_with_views(q, key, value, scale, [
+        return self._fused.decode(self._call_with_views(q, key, value, scale, [
             self.device_steps.view(store) for store in self.stores]))
 
     def _call_with_views(self, q: Tensor, key: Tensor, value: Tensor, scale: float | None,
@@ -215,9 +216,6 @@ class SparseKVLayer(CacheLayerMixin):
         return DecodeCall(q, key, value, tuple(GroupStep(heads, store, view, pattern, layer_heads)
                                                for (heads, store, pattern, layer_heads), view in zip(self._parts, views)),
                           scale, self.one_launch_decode)
-
-    def _fused_decoder(self):
-        return next((e for e in self.layer.attention.executors if e.fuses_decode), None)
 
     def room(self) -> int | float:
         """The most tokens the stores hold without growing (inf: full rings only, which never grow)."""
@@ -232,7 +230,7 @@ class SparseKVLayer(CacheLayerMixin):
         if self.layout is PaddingLayout.OTHER:
             return ("the cache holds padding other than a left-padded prompt (a right-padded prompt or padding "
                     "after it), which decodes through position masks")
-        fused = self._fused_decoder()
+        fused = self._fused
         probe_views = []
         for store in self.stores:
             zeros = torch.zeros(self.batch, dtype=torch.long, device=self.device)
