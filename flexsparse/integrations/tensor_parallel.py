@@ -164,6 +164,11 @@ class RankAttention(nn.Module):
         self._global_heads: dict[tuple, tuple[int, ...]] = {}  # local kv_heads -> the layer's indices
         self._fill: dict[torch.device, Tensor] = {}  # the layer's default modes per device (mode tensors' filler)
 
+    @property
+    def executors(self) -> list:
+        """The layer's executors (a sparse KV cache decodes the rank's heads through them)."""
+        return self.layer.executors
+
     def forward(self, q: Tensor, k: Tensor, v: Tensor, modes: Tensor | Sequence[str | int] | str | int | None = None,
                 *, key_padding_mask: Tensor | None = None, positions: Positions | None = None,
                 scale: float | None = None, kv_heads: Sequence[int] | None = None) -> Tensor:
@@ -238,7 +243,7 @@ class TensorParallelLayer(SparseAttentionLayer):
         self.group = group
         self.attention = RankAttention(self.attention, kv_heads)
         self.groups = cache_groups(list(self.patterns.values()), [self.modes[h] for h in kv_heads],
-                                   self.attention.layer.executors)
+                                   self.attention.executors)
 
     def router_states(self, states: Tensor, boundary: Boundary) -> tuple[Tensor, Boundary]:
         """What the router reads from the rank's captured ``states`` ``[B, S, H/P, d]`` (or ``H_kv/P``).
