@@ -46,14 +46,8 @@ from torch.nn.attention import sdpa_kernel
 
 from flexsparse.masks import Causal, Geometry
 from flexsparse.runtime.compiled import run_flex
-from flexsparse.runtime.dense_kernels import (
-    OTHER_KERNELS,
-    PASSES,
-    SDPA_BACKENDS,
-    default_table_path,
-    load_dense_kernel_table,
-)
-from flexsparse.runtime.device_tables import write_device_entry
+from flexsparse.runtime.dense_kernels import DENSE_KERNELS, OTHER_KERNELS, SDPA_BACKENDS
+from flexsparse.runtime.device_tables import PASSES
 
 FULL = {"heads": 32, "kv_heads": 8, "dim": 128, "lengths": [8192, 16384, 32768, 65536, 131072], "dtype": "bfloat16"}
 TINY = {"heads": 4, "kv_heads": 2, "dim": 32, "lengths": [128, 256], "dtype": "float32"}
@@ -206,7 +200,7 @@ def write_table(path: Path, key: str, shape: dict, rows: list[dict], measured: d
     """Replaces ``key``'s rows of the table at ``path`` (created if absent), keeps the other devices', and checks
     that flexsparse loads the result."""
     entry = {"dtype": shape["dtype"], "measured": measured, "entries": table_entries(rows)}
-    write_device_entry(path, key, entry, load_dense_kernel_table)
+    DENSE_KERNELS.write(path, key, entry)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -269,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(json.dumps({**measured, "rows": rows}, indent=1) + "\n")
         print(f"wrote {args.out}")
     if args.write_table is not None:
-        path = default_table_path() if args.write_table is True else args.write_table
+        path = DENSE_KERNELS.shipped_path if args.write_table is True else args.write_table
         key = args.device_key or (name.removeprefix("NVIDIA ").split() or [name])[0]
         write_table(path, key, shape, rows, measured)
     return 0

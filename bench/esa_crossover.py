@@ -38,10 +38,9 @@ from device_timing import Deadline, timed_ms  # bench/: the directory of this sc
 from flexsparse import HybridAttention
 from flexsparse.kernels.availability import triton_version
 from flexsparse.masks import ESA
-from flexsparse.runtime.dense_kernels import PASSES
-from flexsparse.runtime.device_tables import write_device_entry
+from flexsparse.runtime.device_tables import PASSES
 from flexsparse.runtime.esa_executor import EsaExecutor
-from flexsparse.runtime.esa_kernel_table import load_esa_kernel_table
+from flexsparse.runtime.esa_kernel_table import ESA_KERNEL
 from flexsparse.runtime.flex import FlexExecutor
 
 HEADS, KV_HEADS, DIM, LAYER, NUM_LAYERS = 32, 8, 128, 4, 8
@@ -184,7 +183,7 @@ def write_table(path: Path, key: str, entries: list[dict], measured: dict) -> No
     """Replaces ``key``'s rows of the table at ``path`` (created if absent), keeps the other devices', and checks
     that flexsparse loads the result."""
     entry = {"dtype": "bfloat16", "head_dim": DIM, "measured": measured, "entries": entries}
-    write_device_entry(path, key, entry, load_esa_kernel_table)
+    ESA_KERNEL.write(path, key, entry)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -46,11 +46,10 @@ from device_timing import Deadline, timed_ms  # bench/: the directory of this sc
 
 from flexsparse import HybridAttention
 from flexsparse.masks import Pattern, SinkWindow, TriangleMix
-from flexsparse.runtime.dense_kernels import PASSES
-from flexsparse.runtime.device_tables import write_device_entry
+from flexsparse.runtime.device_tables import PASSES
 from flexsparse.runtime.fa4_executor import fa4_attention
 from flexsparse.runtime.flex import FlexExecutor
-from flexsparse.runtime.flex_backend_table import default_table_path, load_flex_backend_table
+from flexsparse.runtime.flex_backend_table import FLEX_BACKENDS
 
 HEADS, KV_HEADS, DIM, BLOCK = 32, 8, 128, 128
 LENGTHS = [8192, 32768, 131072]
@@ -197,7 +196,7 @@ def write_table(path: Path, key: str, entries: list[dict], measured: dict) -> No
     checks that flexsparse loads the result."""
     entry = {"dtype": "bfloat16", "head_dim": DIM, "block_size": BLOCK, "measured": measured,
              "entries": entries}
-    write_device_entry(path, key, entry, load_flex_backend_table)
+    FLEX_BACKENDS.write(path, key, entry)
 
 
 def package_versions() -> dict[str, str | None]:
@@ -274,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
             print("flex_backends: no (pattern, pass, length) where both backends ran; table not written",
                   file=sys.stderr)
             return 1
-        path = default_table_path() if args.write_table is True else args.write_table
+        path = FLEX_BACKENDS.shipped_path if args.write_table is True else args.write_table
         key = args.device_key or (name.removeprefix("NVIDIA ").split() or [name])[0]
         write_table(path, key, entries, measured)
     return 0
