@@ -1,5 +1,5 @@
-"""The measured ESA crossover: the table bench/esa_crossover.py writes, its loading and lookups (by device name,
-pass, length and attn_length), and the planner sending ESA heads to the kernel or to flex as the table says.
+"""The measured ESA crossover: the table bench/tables/esa_crossover.py writes, its loading and lookups (by device
+name, pass, length and attn_length), and the planner sending ESA heads to the kernel or to flex as the table says.
 
 CPU tests fake a CUDA device's name (:func:`device_tables.cuda_device_name`) or, for plans, the table's lookup
 (``ESA_KERNEL.for_device``) and the kernel's availability (:func:`kernels_preferred_on`). Plans are made at real sizes
@@ -94,7 +94,7 @@ ESA_HEADS, FULL_HEADS = (0, 1, 2, 3), (4, 5, 6, 7)
 
 
 def test_shipped_table_loads():
-    """The shipped table (empty until measured on a device: bench/esa_crossover.py --write-table) is what the
+    """The shipped table (empty until measured on a device: bench/tables/esa_crossover.py --write-table) is what the
     process reads."""
     assert ESA_KERNEL.load() == ESA_KERNEL.devices
     for table in ESA_KERNEL.devices.values():
@@ -225,7 +225,7 @@ def test_unreadable_table_is_a_value_error(tmp_path):
 
 
 def bench_module():
-    return load_bench("esa_crossover")
+    return load_bench("tables/esa_crossover")
 
 
 def test_bench_writes_a_table_the_executor_reads(tmp_path, monkeypatch):

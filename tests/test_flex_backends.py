@@ -1,6 +1,6 @@
-"""Compiled flex's backend as a measured choice: the per-device table bench/flex_backends.py writes (Triton against
-FLASH, FlashAttention-4's kernels), its loading and lookups, which launches the flex executor runs on FLASH, the
-precedence of a user's kernel_options, their validation, and convert passing them to every layer.
+"""Compiled flex's backend as a measured choice: the per-device table bench/tables/flex_backends.py writes (Triton
+against FLASH, FlashAttention-4's kernels), its loading and lookups, which launches the flex executor runs on FLASH,
+the precedence of a user's kernel_options, their validation, and convert passing them to every layer.
 
 CPU tests fake the device's table (``FLEX_BACKENDS.for_device``), the extra's presence
 (:func:`flex.fa4_runs_on`) and the compiled launch (:func:`flex.run_flex`: records the kernel options it is
@@ -101,7 +101,7 @@ def dense_reference(attn, q, k, v, modes=None):
 
 
 def test_shipped_table_loads():
-    """The shipped table (empty until measured on a device: bench/flex_backends.py --write-table) is what the
+    """The shipped table (empty until measured on a device: bench/tables/flex_backends.py --write-table) is what the
     process reads."""
     assert FLEX_BACKENDS.load() == FLEX_BACKENDS.devices
     for found in FLEX_BACKENDS.devices.values():
@@ -368,7 +368,7 @@ def test_convert_passes_kernel_options_to_every_layer(launches):
 
 
 def bench_module():
-    return load_bench("flex_backends")
+    return load_bench("tables/flex_backends")
 
 
 def test_bench_writes_a_table_the_executor_reads(tmp_path, monkeypatch):

@@ -48,7 +48,7 @@ layer's heads form at most two such groups of consecutive heads, the whole step 
 :class:`~flexsparse.kernels.decode.DecodeStep` (prepared once per layer for its buffers): it writes the new token
 into both groups' buffers and attends both (two launches of the compiled kernels, no per-group copies, no cat).
 On an H100 at 131,072 cached tokens it is faster than the per-group calls and than all-full SDPA at batch 1
-and 8, left-padded too (the README's decode table, docs/notes/transformers.md; ``python bench/hf_bench.py
+and 8, left-padded too (the README's decode table, docs/notes/transformers.md; ``python bench/speed/hf_bench.py
 --parts decode``).
 
 Any other padding (a right-padded prompt, padding in a chunk or a decode token) sends decode from then on through

@@ -1,6 +1,6 @@
 """Which dense kernel runs full causal heads on a device: a measured per-device table.
 
-``bench/dense_kernels.py`` times SDPA's backends (flash, cuDNN, memory-efficient) and FlashAttention-4
+``bench/tables/dense_kernels.py`` times SDPA's backends (flash, cuDNN, memory-efficient) and FlashAttention-4
 (``fa4``, where installed: the ``fast`` extra) on causal GQA attention at lengths 8K to 128K, forward and
 forward+backward, and writes the ranking it measured into
 ``flexsparse/runtime/data/dense_kernels.json`` (shipped in the package), keyed by a substring of the CUDA device

@@ -1,7 +1,7 @@
 """The measured table of ESA's gather kernel against compiled flex, per device: what
 :class:`~flexsparse.runtime.esa_executor.EsaExecutor` prices the kernel at and where it gives ESA heads to flex.
 
-``bench/esa_crossover.py`` times one ESA layer on the kernel and on flex per (pass, length, attn_length) and writes
+``bench/tables/esa_crossover.py`` times one ESA layer on the kernel and on flex per (pass, length, attn_length) and writes
 ``flexsparse/runtime/data/esa_kernel.json``, keyed by a substring of the CUDA device name (:data:`ESA_KERNEL`, a
 :class:`~flexsparse.runtime.device_tables.MeasuredTable`; the longest matching key wins). :func:`measured_rates`
 gives a call's rates in seconds per (query head, attended key): only for a contiguous prefill call on a device the

@@ -1,7 +1,7 @@
 """The measured table of compiled flex's two backends per device: torch's default (Triton) kernels and FLASH
 (``kernel_options={"BACKEND": "FLASH"}``: flex on FlashAttention-4's CuTe kernels, the ``fast`` extra).
 
-``bench/flex_backends.py`` times one layer (B=1, 32 query / 8 KV heads, d=128, bf16, one pattern on every
+``bench/tables/flex_backends.py`` times one layer (B=1, 32 query / 8 KV heads, d=128, bf16, one pattern on every
 head) on both backends per (pattern, pass, length) and writes ``flexsparse/runtime/data/flex_backends.json``,
 keyed by a substring of the CUDA device name (:data:`FLEX_BACKENDS`, a
 :class:`~flexsparse.runtime.device_tables.MeasuredTable`; the longest matching key wins). The flex executor
