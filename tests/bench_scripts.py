@@ -8,12 +8,12 @@ from types import ModuleType
 BENCH = Path(__file__).parents[1] / "bench"
 
 
-def load_bench(name: str) -> ModuleType:
-    """bench/<name>.py as a module; bench/ goes on sys.path first, as when the script runs, for the helpers it
-    imports from beside it."""
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location(f"{name}_bench", BENCH / f"{name}.py")
+def load_bench(script: str) -> ModuleType:
+    """bench/<script>.py (``script`` such as ``"tables/esa_crossover"``) as a module; the script puts the checkout
+    first on sys.path for the helpers it imports (``bench.common``)."""
+    path = BENCH / f"{script}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{script.replace('/', '_')}", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module

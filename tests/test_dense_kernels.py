@@ -1,7 +1,8 @@
 """The measured dense-kernel table: loading, lookups by device name and length bucket, the rules that keep cuDNN
 out of decode steps and off-grid lengths, and SdpaExecutor running (and pricing) what the table says.
 
-CPU tests fake a CUDA device's name (:func:`cuda_device_name`) or its table (:func:`device_kernels`); outputs are
+CPU tests fake a CUDA device's name (:func:`device_tables.cuda_device_name`) or its table
+(``DENSE_KERNELS.for_device``); outputs are
 compared with the float64 reference at fp32 tolerance (2e-5). GPU tests (8K, bf16: |err| <= 3e-2 on outputs and
 6e-2 on gradients, relative to the largest magnitude, as tests/test_gpu.py) check every SDPA backend against
 SDPA's default choice and that a decode call on the GPU runs with cuDNN off.
@@ -17,18 +18,17 @@ from hypothesis import strategies as st
 
 from flexsparse.masks import Causal, Geometry
 from flexsparse.reference import attention as reference
-from flexsparse.runtime import dense_kernels
+from flexsparse.runtime import device_tables
 from flexsparse.runtime.buckets import is_kv_bucket
 from flexsparse.runtime.call import AttentionCall, GroupModes, HeadSelection
 from flexsparse.runtime.cost import DENSE_FLOPS_PER_S, attention_flops, causal_pairs
 from flexsparse.runtime.dense_kernels import (
+    DENSE_KERNELS,
     PASSES,
     SDPA_BACKENDS,
     DenseKernel,
     dense_backend,
     dense_kernel,
-    device_kernels_from_json,
-    load_dense_kernel_table,
     sdpa_backend_order,
 )
 from flexsparse.runtime.executors import SdpaExecutor
@@ -61,22 +61,22 @@ def table(tmp_path, monkeypatch):
     """TABLE written to a file, loaded as the process's table; device names faked by index."""
     path = tmp_path / "dense_kernels.json"
     path.write_text(json.dumps(TABLE))
-    monkeypatch.setattr(dense_kernels, "DENSE_KERNEL_TABLE", load_dense_kernel_table(path))
-    monkeypatch.setattr(dense_kernels, "cuda_device_name", NAMES.__getitem__)
-    return dense_kernels.DENSE_KERNEL_TABLE
+    monkeypatch.setattr(DENSE_KERNELS, "devices", DENSE_KERNELS.load(path))
+    monkeypatch.setattr(device_tables, "cuda_device_name", NAMES.__getitem__)
+    return DENSE_KERNELS.devices
 
 
 def test_shipped_table_holds_the_h100_measurement_for_both_passes():
-    table = load_dense_kernel_table()
-    assert table == dense_kernels.DENSE_KERNEL_TABLE
+    table = DENSE_KERNELS.load()
+    assert table == DENSE_KERNELS.devices
     assert set(table) == {"H100"}  # measured devices only: others run SDPA's own choice
     kernels = table["H100"]
     assert kernels.dtype == torch.bfloat16
     for pass_name in PASSES:
-        assert kernels.lengths(pass_name) == [8192, 16384, 32768, 65536, 131072]
-    assert all(set(r.backends) <= {*SDPA_BACKENDS, "fa4"} for r in kernels.rankings.values())
+        assert kernels.series[pass_name,].lengths == (8192, 16384, 32768, 65536, 131072)
+    assert all(set(r.backends) <= {*SDPA_BACKENDS, "fa4"} for r in kernels.rows.values())
     # FlashAttention-4 first (1.0-1.22x cuDNN), then cuDNN (1.7-2.1x flash on the H100)
-    assert all(r.backends[:2] == ("fa4", "cudnn") for r in kernels.rankings.values())
+    assert all(r.backends[:2] == ("fa4", "cudnn") for r in kernels.rows.values())
 
 
 def test_lookup_by_device_name_and_nearest_measured_length(table):
@@ -105,9 +105,9 @@ def test_decode_and_off_grid_lengths_never_get_cudnn(q_len, kv_len, grad, block_
     with pytest.MonkeyPatch.context() as patch:
         cudnn_first = {"devices": {"H100": {"dtype": "bfloat16", "entries": rows(
             forward_8192=(["cudnn", "flash"], {}), forward_backward_8192=(["cudnn", "efficient"], {}))}}}
-        patch.setattr(dense_kernels, "DENSE_KERNEL_TABLE",
-                      {"H100": device_kernels_from_json(cudnn_first["devices"]["H100"])})
-        patch.setattr(dense_kernels, "cuda_device_name", NAMES.__getitem__)
+        patch.setattr(DENSE_KERNELS, "devices", {
+            "H100": DENSE_KERNELS.device_from_json(cudnn_first["devices"]["H100"])})
+        patch.setattr(device_tables, "cuda_device_name", NAMES.__getitem__)
         kv_len = max(kv_len, q_len)
         backend = dense_backend(CUDA0, q_len, kv_len, grad, block_size=block_size)
     if q_len != kv_len:
@@ -147,7 +147,7 @@ def test_a_malformed_table_names_the_file_and_the_field(tmp_path, change, messag
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(data))
     with pytest.raises(ValueError, match=message) as err:
-        load_dense_kernel_table(path)
+        DENSE_KERNELS.load(path)
     assert str(path) in str(err.value)
 
 
@@ -155,7 +155,7 @@ def test_an_unreadable_table_is_a_value_error(tmp_path):
     path = tmp_path / "bad.json"
     path.write_text("{not json")
     with pytest.raises(ValueError, match="cannot be read as JSON"):
-        load_dense_kernel_table(path)
+        DENSE_KERNELS.load(path)
 
 
 # ----- SdpaExecutor ------------------------------------------------------------------------------------------
@@ -200,9 +200,9 @@ def cpu_as_h100(monkeypatch):
     def kernels(device):
         entries = [{"pass": p, "length": 64, "backends": choice[p],
                     "tflops": {b: t for b, t in choice["tflops"].items() if b in choice[p]}} for p in PASSES]
-        return device_kernels_from_json({"dtype": "float32", "entries": entries})
+        return DENSE_KERNELS.device_from_json({"dtype": "float32", "entries": entries})
 
-    monkeypatch.setattr(dense_kernels, "device_kernels", kernels)
+    monkeypatch.setattr(DENSE_KERNELS, "for_device", kernels)
     return choice
 
 

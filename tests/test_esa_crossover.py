@@ -1,8 +1,8 @@
-"""The measured ESA crossover: the table bench/esa_crossover.py writes, its loading and lookups (by device name,
-pass, length and attn_length), and the planner sending ESA heads to the kernel or to flex as the table says.
+"""The measured ESA crossover: the table bench/tables/esa_crossover.py writes, its loading and lookups (by device
+name, pass, length and attn_length), and the planner sending ESA heads to the kernel or to flex as the table says.
 
-CPU tests fake a CUDA device's name (:func:`cuda_device_name`) or, for plans, the table's lookup
-(:func:`device_table`) and the kernel's availability (:func:`kernels_preferred_on`). Plans are made at real sizes
+CPU tests fake a CUDA device's name (:func:`device_tables.cuda_device_name`) or, for plans, the table's lookup
+(``ESA_KERNEL.for_device``) and the kernel's availability (:func:`kernels_preferred_on`). Plans are made at real sizes
 on the meta device (32/8 heads, d 128, 2K to 32K): costs need shapes only, and flex accepts meta calls with
 gradients (it refuses CPU ones: no CPU backward).
 """
@@ -16,15 +16,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from flexsparse.masks import ESA, Causal, Geometry
-from flexsparse.runtime import esa_executor, esa_kernel_table
+from flexsparse.runtime import device_tables, esa_executor
 from flexsparse.runtime.call import AttentionCall
 from flexsparse.runtime.esa_executor import SECONDS_PER_QUERY_KEY, EsaExecutor
-from flexsparse.runtime.esa_kernel_table import (
-    EsaRates,
-    device_table,
-    device_table_from_json,
-    load_esa_kernel_table,
-)
+from flexsparse.runtime.esa_kernel_table import ESA_KERNEL, EsaRates, rates
 from flexsparse.runtime.executors import SdpaExecutor
 from flexsparse.runtime.flex import FlexExecutor
 from flexsparse.runtime.plan import Planner
@@ -55,7 +50,7 @@ TABLE = {"about": "test", "devices": {
     "H100": {"dtype": "bfloat16", "head_dim": 128, "measured": None, "entries": H100_ROWS},
     "H100 PCIe": {"dtype": "bfloat16", "head_dim": 64, "entries": [entry("forward", 4096, 64, 7, 8)]},
 }}
-H100 = device_table_from_json(TABLE["devices"]["H100"])
+H100 = ESA_KERNEL.device_from_json(TABLE["devices"]["H100"])
 
 
 @pytest.fixture
@@ -63,9 +58,9 @@ def table(tmp_path, monkeypatch):
     """TABLE written to a file, loaded as the process's table; device names faked by index."""
     path = tmp_path / "esa_kernel.json"
     path.write_text(json.dumps(TABLE))
-    monkeypatch.setattr(esa_kernel_table, "ESA_KERNEL_TABLE", load_esa_kernel_table(path))
-    monkeypatch.setattr(esa_kernel_table, "cuda_device_name", NAMES.__getitem__)
-    return esa_kernel_table.ESA_KERNEL_TABLE
+    monkeypatch.setattr(ESA_KERNEL, "devices", ESA_KERNEL.load(path))
+    monkeypatch.setattr(device_tables, "cuda_device_name", NAMES.__getitem__)
+    return ESA_KERNEL.devices
 
 
 @pytest.fixture
@@ -73,7 +68,7 @@ def meta_as_h100(monkeypatch):
     """Meta-device calls looked up as an H100 whose kernel runs (the table is set on the returned dict's "table";
     None: no table)."""
     state = {"table": H100}
-    monkeypatch.setattr(esa_kernel_table, "device_table", lambda device: state["table"])
+    monkeypatch.setattr(ESA_KERNEL, "for_device", lambda device: state["table"])
     monkeypatch.setattr(esa_executor, "kernels_preferred_on", lambda device: True)
     return state
 
@@ -99,32 +94,32 @@ ESA_HEADS, FULL_HEADS = (0, 1, 2, 3), (4, 5, 6, 7)
 
 
 def test_shipped_table_loads():
-    """The shipped table (empty until measured on a device: bench/esa_crossover.py --write-table) is what the
+    """The shipped table (empty until measured on a device: bench/tables/esa_crossover.py --write-table) is what the
     process reads."""
-    assert load_esa_kernel_table() == esa_kernel_table.ESA_KERNEL_TABLE
-    for table in esa_kernel_table.ESA_KERNEL_TABLE.values():
-        assert table.dtype == torch.bfloat16 and table.head_dim == DIM
+    assert ESA_KERNEL.load() == ESA_KERNEL.devices
+    for table in ESA_KERNEL.devices.values():
+        assert table.dtype == torch.bfloat16 and table.settings == {"head_dim": DIM}
         assert {p for p, _, _ in table.rows} == {"forward", "forward_backward"}
 
 
 def test_lookup_by_device_name(table):
-    assert device_table(torch.device("cuda", 0)) is table["H100"]
-    assert device_table(torch.device("cuda", 2)) is table["H100 PCIe"]  # the longest matching key
-    assert device_table(torch.device("cuda", 1)) is None  # A100: no key
-    assert device_table(torch.device("cpu")) is None
+    assert ESA_KERNEL.for_device(torch.device("cuda", 0)) is table["H100"]
+    assert ESA_KERNEL.for_device(torch.device("cuda", 2)) is table["H100 PCIe"]  # the longest matching key
+    assert ESA_KERNEL.for_device(torch.device("cuda", 1)) is None  # A100: no key
+    assert ESA_KERNEL.for_device(torch.device("cpu")) is None
 
 
 def test_rates_interpolate_in_log_length_and_attn_length(table):
     h100 = table["H100"]
-    assert h100.rates("forward", 8192, 64) == EsaRates(50 * PS, 300 * PS)  # a measured row
-    assert h100.rates("forward", 1024, 64) == h100.rates("forward", 2048, 64)  # below: the shortest row
-    assert h100.rates("forward", 1 << 20, 64) == h100.rates("forward", 32768, 64)  # above: the longest
-    half = h100.rates("forward", 4096, 64)  # halfway in log2 between 2K and 8K
+    assert rates(h100, "forward", 8192, 64) == EsaRates(50 * PS, 300 * PS)  # a measured row
+    assert rates(h100, "forward", 1024, 64) == rates(h100, "forward", 2048, 64)  # below: the shortest row
+    assert rates(h100, "forward", 1 << 20, 64) == rates(h100, "forward", 32768, 64)  # above: the longest
+    half = rates(h100, "forward", 4096, 64)  # halfway in log2 between 2K and 8K
     assert (half.kernel, half.flex) == pytest.approx((55 * PS, 270 * PS))
-    mid = h100.rates("forward_backward", 8192, 128)  # halfway in log2 between attn_length 64 and 256
+    mid = rates(h100, "forward_backward", 8192, 128)  # halfway in log2 between attn_length 64 and 256
     assert (mid.kernel, mid.flex) == pytest.approx((300 * PS, 200 * PS))
-    assert h100.rates("forward", 8192, 256) == h100.rates("forward", 8192, 64)  # only 64 measured: nearest
-    assert table["H100 PCIe"].rates("forward_backward", 4096, 64) is None  # no row for the pass
+    assert rates(h100, "forward", 8192, 256) == rates(h100, "forward", 8192, 64)  # only 64 measured: nearest
+    assert rates(table["H100 PCIe"], "forward_backward", 4096, 64) is None  # no row for the pass
 
 
 def test_planner_sends_esa_heads_to_flex_where_the_table_says_flex_is_faster(meta_as_h100):
@@ -143,7 +138,7 @@ def test_planner_sends_esa_heads_to_flex_where_the_table_says_flex_is_faster(met
 def test_the_decision_switches_once_at_the_interpolated_crossing(length):
     """Forward+backward rates interpolated in log length: flex below 8K * 2**0.4, the kernel above."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(esa_kernel_table, "device_table", lambda device: H100)
+        patch.setattr(ESA_KERNEL, "for_device", lambda device: H100)
         patch.setattr(esa_executor, "kernels_preferred_on", lambda device: True)
         accepted = EsaExecutor().accepts(ESA(4, 8, 64, HEADS), meta_call(length, grad=True))
     if abs(math.log2(length) - math.log2(CROSSING)) > 1e-6:
@@ -217,20 +212,20 @@ def test_malformed_table_is_a_value_error_naming_the_file_and_the_problem(tmp_pa
     path = tmp_path / "broken.json"
     path.write_text(json.dumps(data))
     with pytest.raises(ValueError, match=f"ESA kernel table {path}.*{problem}"):
-        load_esa_kernel_table(path)
+        ESA_KERNEL.load(path)
 
 
 def test_unreadable_table_is_a_value_error(tmp_path):
     path = tmp_path / "esa.json"
     path.write_text("{not json")
     with pytest.raises(ValueError, match=f"ESA kernel table {path}: cannot be read as JSON"):
-        load_esa_kernel_table(path)
+        ESA_KERNEL.load(path)
     with pytest.raises(ValueError, match="cannot be read as JSON"):
-        load_esa_kernel_table(tmp_path / "absent.json")
+        ESA_KERNEL.load(tmp_path / "absent.json")
 
 
 def bench_module():
-    return load_bench("esa_crossover")
+    return load_bench("tables/esa_crossover")
 
 
 def test_bench_writes_a_table_the_executor_reads(tmp_path, monkeypatch):
@@ -249,12 +244,12 @@ def test_bench_writes_a_table_the_executor_reads(tmp_path, monkeypatch):
     path = tmp_path / "esa_kernel.json"
     path.write_text(json.dumps({"about": "kept", "devices": {"A100": TABLE["devices"]["H100 PCIe"]}}))
     bench.write_table(path, "H100", bench.table_entries(rows), {"device": "NVIDIA H100 80GB HBM3"})
-    loaded = load_esa_kernel_table(path)
+    loaded = ESA_KERNEL.load(path)
     assert set(loaded) == {"A100", "H100"} and json.loads(path.read_text())["about"] == "kept"
     assert set(loaded["H100"].rows) == {("forward_backward", 2048, 64), ("forward_backward", 32768, 64)}
-    assert loaded["H100"].rates("forward_backward", 2048, 64).kernel == pytest.approx(1e-3 / (HEADS * 2048 * 64),
+    assert rates(loaded["H100"], "forward_backward", 2048, 64).kernel == pytest.approx(1e-3 / (HEADS * 2048 * 64),
                                                                                      rel=1e-3)
-    monkeypatch.setattr(esa_kernel_table, "device_table", lambda device: loaded["H100"])
+    monkeypatch.setattr(ESA_KERNEL, "for_device", lambda device: loaded["H100"])
     monkeypatch.setattr(esa_executor, "kernels_preferred_on", lambda device: True)
     assert plan(2048, grad=True) == [("flex", ESA_HEADS), ("sdpa", FULL_HEADS)]
     assert plan(32768, grad=True) == [("esa", ESA_HEADS), ("sdpa", FULL_HEADS)]

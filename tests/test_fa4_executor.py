@@ -2,7 +2,7 @@
 planner gives full heads of a contiguous prefill to it only where the table measured it faster and it is
 installed, and its run converts layouts and GQA heads right.
 
-CPU tests fake the device's table (:func:`dense_kernels.device_kernels`), the extra's presence
+CPU tests fake the device's table (``DENSE_KERNELS.for_device``), the extra's presence
 (:func:`fa4_executor.fa4_runs_on`) and FlashAttention-4 itself (SDPA in its ``[B, S, H, d]`` layout). The GPU
 test runs the real kernel where the ``fast`` extra is installed (bf16 at 8K against SDPA: |err| <= 3e-2 on outputs,
 6e-2 on gradients, relative to the largest magnitude, as tests/test_dense_kernels.py).
@@ -14,9 +14,9 @@ import torch.nn.functional as F
 
 from flexsparse.masks import Causal, Geometry, SinkWindow
 from flexsparse.reference import attention as reference
-from flexsparse.runtime import dense_kernels, fa4_executor
+from flexsparse.runtime import fa4_executor
 from flexsparse.runtime.call import AttentionCall, GroupModes, HeadSelection
-from flexsparse.runtime.dense_kernels import PASSES, dense_kernel, device_kernels_from_json, kernel_rate
+from flexsparse.runtime.dense_kernels import DENSE_KERNELS, PASSES, dense_kernel, kernel_rate
 from flexsparse.runtime.executors import SdpaExecutor
 from flexsparse.runtime.fa4_executor import Fa4Executor
 from flexsparse.runtime.flex import FlexExecutor
@@ -41,9 +41,9 @@ def cpu_table(monkeypatch):
     def kernels(device):
         entries = [{"pass": p, "length": 64, "backends": setting["order"], "tflops": setting["tflops"]}
                    for p in PASSES]
-        return device_kernels_from_json({"dtype": "bfloat16", "entries": entries})
+        return DENSE_KERNELS.device_from_json({"dtype": "bfloat16", "entries": entries})
 
-    monkeypatch.setattr(dense_kernels, "device_kernels", kernels)
+    monkeypatch.setattr(DENSE_KERNELS, "for_device", kernels)
     monkeypatch.setattr(fa4_executor, "fa4_runs_on", lambda device: setting.get("installed", True))
     monkeypatch.setattr(fa4_executor, "fa4_attention", lambda: fake_fa4)
     return setting
@@ -71,10 +71,10 @@ def test_the_table_ranks_fa4_beside_sdpas_backends(cpu_table):
     assert kernel_rate("fa4", CPU, 64, 64, False) == 700e12
     assert kernel_rate("fa4", CPU, 1, 64, False) is None  # decode: no row
     with pytest.raises(ValueError, match="one SDPA backend besides"):
-        device_kernels_from_json({"dtype": "bfloat16", "entries": [
+        DENSE_KERNELS.device_from_json({"dtype": "bfloat16", "entries": [
             {"pass": "forward", "length": 64, "backends": ["fa4", "cudnn"], "tflops": {}}]})
     with pytest.raises(ValueError, match="'backends' must be"):
-        device_kernels_from_json({"dtype": "bfloat16", "entries": [
+        DENSE_KERNELS.device_from_json({"dtype": "bfloat16", "entries": [
             {"pass": "forward", "length": 64, "backends": ["fa5", "flash"], "tflops": {}}]})
 
 

@@ -1,8 +1,8 @@
-"""Compiled flex's backend as a measured choice: the per-device table bench/flex_backends.py writes (Triton against
-FLASH, FlashAttention-4's kernels), its loading and lookups, which launches the flex executor runs on FLASH, the
-precedence of a user's kernel_options, their validation, and convert passing them to every layer.
+"""Compiled flex's backend as a measured choice: the per-device table bench/tables/flex_backends.py writes (Triton
+against FLASH, FlashAttention-4's kernels), its loading and lookups, which launches the flex executor runs on FLASH,
+the precedence of a user's kernel_options, their validation, and convert passing them to every layer.
 
-CPU tests fake the device's table (:func:`flex_backend_table.device_table`), the extra's presence
+CPU tests fake the device's table (``FLEX_BACKENDS.for_device``), the extra's presence
 (:func:`flex.fa4_runs_on`) and the compiled launch (:func:`flex.run_flex`: records the kernel options it is
 given, computes with eager flex in float32), so they check the choice and the outputs of the path it takes. The
 GPU tests run FLASH for real where the ``fast`` extra is installed: FLASH flex and Triton flex against a float64
@@ -20,17 +20,11 @@ from torch.nn.attention.flex_attention import flex_attention
 from flexsparse import HybridAttention
 from flexsparse.masks import Causal, Geometry, SinkWindow
 from flexsparse.reference import attention as reference
-from flexsparse.runtime import buckets, flex, flex_backend_table
+from flexsparse.runtime import buckets, device_tables, flex
 from flexsparse.runtime.call import AttentionCall, GroupModes, HeadSelection
-from flexsparse.runtime.dense_kernels import PASSES
+from flexsparse.runtime.device_tables import PASSES
 from flexsparse.runtime.flex import FLASH_OPTIONS, FlexExecutor, as_kernel_options
-from flexsparse.runtime.flex_backend_table import (
-    FlexBackendTimes,
-    device_table,
-    device_table_from_json,
-    flash_time_ratio,
-    load_flex_backend_table,
-)
+from flexsparse.runtime.flex_backend_table import FLEX_BACKENDS, FlexBackendTimes, flash_ratio, flash_time_ratio
 from tests.bench_scripts import load_bench
 
 HEADS, KV_HEADS, DIM, BLOCK = 4, 2, 16, 16
@@ -51,7 +45,7 @@ CROSSING = 64 * 2 ** (2 * 5 / 6)
 DEVICE = {"dtype": "bfloat16", "head_dim": DIM, "block_size": BLOCK, "measured": None, "entries": ROWS}
 TABLE = {"about": "test", "devices": {
     "H100": DEVICE, "H100 PCIe": {**DEVICE, "head_dim": 128, "entries": ROWS[:1]}}}
-SMALL = device_table_from_json(DEVICE)
+SMALL = FLEX_BACKENDS.device_from_json(DEVICE)
 
 
 @pytest.fixture
@@ -59,9 +53,9 @@ def table(tmp_path, monkeypatch):
     """TABLE written to a file, loaded as the process's table; device names faked by index."""
     path = tmp_path / "flex_backends.json"
     path.write_text(json.dumps(TABLE))
-    monkeypatch.setattr(flex_backend_table, "FLEX_BACKEND_TABLE", load_flex_backend_table(path))
-    monkeypatch.setattr(flex_backend_table, "cuda_device_name", NAMES.__getitem__)
-    return flex_backend_table.FLEX_BACKEND_TABLE
+    monkeypatch.setattr(FLEX_BACKENDS, "devices", FLEX_BACKENDS.load(path))
+    monkeypatch.setattr(device_tables, "cuda_device_name", NAMES.__getitem__)
+    return FLEX_BACKENDS.devices
 
 
 @pytest.fixture
@@ -69,7 +63,7 @@ def launches(monkeypatch):
     """Every call looked up in SMALL (whatever its device), FlashAttention-4 present (set ``installed``), compiled
     launches replaced by eager flex in float32 that records the kernel options it is given (``options``)."""
     state = {"options": [], "installed": True}
-    monkeypatch.setattr(flex_backend_table, "device_table", lambda device: SMALL)
+    monkeypatch.setattr(FLEX_BACKENDS, "for_device", lambda device: SMALL)
     monkeypatch.setattr(flex, "fa4_runs_on", lambda device: state["installed"])
 
     def fake_run_flex(q, k, v, block_mask, scale, kernel_options=None):
@@ -107,26 +101,27 @@ def dense_reference(attn, q, k, v, modes=None):
 
 
 def test_shipped_table_loads():
-    """The shipped table (empty until measured on a device: bench/flex_backends.py --write-table) is what the
+    """The shipped table (empty until measured on a device: bench/tables/flex_backends.py --write-table) is what the
     process reads."""
-    assert load_flex_backend_table() == flex_backend_table.FLEX_BACKEND_TABLE
-    for found in flex_backend_table.FLEX_BACKEND_TABLE.values():
-        assert found.dtype in (torch.bfloat16, torch.float16) and found.head_dim >= 1 and found.block_size >= 1
+    assert FLEX_BACKENDS.load() == FLEX_BACKENDS.devices
+    for found in FLEX_BACKENDS.devices.values():
+        assert found.dtype in (torch.bfloat16, torch.float16)
+        assert found.settings["head_dim"] >= 1 and found.settings["block_size"] >= 1
 
 
 def test_lookup_by_device_name(table):
-    assert device_table(torch.device("cuda", 0)) is table["H100"]
-    assert device_table(torch.device("cuda", 2)) is table["H100 PCIe"]  # the longest matching key
-    assert device_table(torch.device("cuda", 1)) is None  # A100: no key
-    assert device_table(torch.device("cpu")) is None
+    assert FLEX_BACKENDS.for_device(torch.device("cuda", 0)) is table["H100"]
+    assert FLEX_BACKENDS.for_device(torch.device("cuda", 2)) is table["H100 PCIe"]  # the longest matching key
+    assert FLEX_BACKENDS.for_device(torch.device("cuda", 1)) is None  # A100: no key
+    assert FLEX_BACKENDS.for_device(torch.device("cpu")) is None
 
 
 def test_ratios_interpolate_in_log_length_from_the_shortest_row_up():
-    assert SMALL.flash_ratio("sink_window", "forward", 64) == pytest.approx(0.8)  # a measured row
-    assert SMALL.flash_ratio("sink_window", "forward", 128) == pytest.approx(0.65)  # halfway in log2
-    assert SMALL.flash_ratio("sink_window", "forward", 1 << 20) == pytest.approx(0.5)  # past: the longest row
-    assert SMALL.flash_ratio("sink_window", "forward", 32) is None  # below the shortest: not measured
-    assert SMALL.flash_ratio("causal", "forward", 128) is None  # a pattern it did not measure
+    assert flash_ratio(SMALL, "sink_window", "forward", 64) == pytest.approx(0.8)  # a measured row
+    assert flash_ratio(SMALL, "sink_window", "forward", 128) == pytest.approx(0.65)  # halfway in log2
+    assert flash_ratio(SMALL, "sink_window", "forward", 1 << 20) == pytest.approx(0.5)  # past: the longest row
+    assert flash_ratio(SMALL, "sink_window", "forward", 32) is None  # below the shortest: not measured
+    assert flash_ratio(SMALL, "causal", "forward", 128) is None  # a pattern it did not measure
     assert SMALL.rows["sink_window", "forward", 256] == FlexBackendTimes(2.0, 1.0)
 
 
@@ -170,7 +165,7 @@ def test_malformed_table_is_a_value_error_naming_the_file_and_the_problem(tmp_pa
     path = tmp_path / "broken.json"
     path.write_text(json.dumps(data))
     with pytest.raises(ValueError, match=f"flex backend table {path}.*{problem}"):
-        load_flex_backend_table(path)
+        FLEX_BACKENDS.load(path)
 
 
 # ----- which launches run FLASH ----------------------------------------------------------------------------------------
@@ -204,7 +199,7 @@ def test_triton_elsewhere(launches, monkeypatch, case):
     """Each condition of the choice, alone, keeps the launch on torch's default (no kernel options)."""
     kwargs, q_len, kv_len, dtype, modes = {}, 128, None, torch.bfloat16, None
     if case == "slower":
-        monkeypatch.setattr(flex_backend_table, "device_table", lambda device: device_table_from_json(
+        monkeypatch.setattr(FLEX_BACKENDS, "for_device", lambda device: FLEX_BACKENDS.device_from_json(
             {**DEVICE, "entries": [row("sink_window", "forward", 64, 1.0, 1.1)]}))
     elif case == "below the shortest row":
         q_len = 32
@@ -319,7 +314,7 @@ def test_cost_of_a_flash_launch_is_scaled_by_the_measured_ratio(launches):
 
 def test_no_table_no_change(monkeypatch, launches):
     """Without a row for the device (the shipped table is empty) every launch runs torch's default."""
-    monkeypatch.setattr(flex_backend_table, "device_table", lambda device: None)
+    monkeypatch.setattr(FLEX_BACKENDS, "for_device", lambda device: None)
     attn = layer()
     q, k, v = qkv(128)
     attn(q, k, v)
@@ -373,7 +368,7 @@ def test_convert_passes_kernel_options_to_every_layer(launches):
 
 
 def bench_module():
-    return load_bench("flex_backends")
+    return load_bench("tables/flex_backends")
 
 
 def test_bench_writes_a_table_the_executor_reads(tmp_path, monkeypatch):
@@ -388,12 +383,12 @@ def test_bench_writes_a_table_the_executor_reads(tmp_path, monkeypatch):
     path = tmp_path / "flex_backends.json"
     path.write_text(json.dumps({"about": "kept", "devices": {"A100": TABLE["devices"]["H100 PCIe"]}}))
     bench.write_table(path, "H100", bench.table_entries(rows), {"device": "NVIDIA H100 80GB HBM3"})
-    loaded = load_flex_backend_table(path)
+    loaded = FLEX_BACKENDS.load(path)
     assert set(loaded) == {"A100", "H100"} and json.loads(path.read_text())["about"] == "kept"
     h100 = loaded["H100"]
-    assert (h100.dtype, h100.head_dim, h100.block_size) == (torch.bfloat16, 128, 128)
+    assert (h100.dtype, h100.settings) == (torch.bfloat16, {"head_dim": 128, "block_size": 128})
     assert h100.rows == {("sink_window", "forward", 8192): FlexBackendTimes(2.0, 1.5)}
-    monkeypatch.setattr(flex_backend_table, "device_table", lambda device: h100)
+    monkeypatch.setattr(FLEX_BACKENDS, "for_device", lambda device: h100)
     cuda = torch.device("cuda")
     assert flash_time_ratio("sink_window", cuda, torch.bfloat16, 128, 128, 16384, False) == pytest.approx(0.75)
     assert flash_time_ratio("sink_window", cuda, torch.bfloat16, 128, 128, 16384, True) is None
@@ -461,9 +456,9 @@ def test_gpu_the_measured_choice_runs_flash_end_to_end(monkeypatch):
     """A table row that has FLASH faster for this device and size: a layer without kernel_options launches FLASH
     (forward and backward) and matches the dense reference; without the row it launches torch's default."""
     needs_flash()
-    measured = {(name, p, 1024): FlexBackendTimes(1.0, 0.5) for name in ("sink_window",) for p in PASSES}
-    monkeypatch.setattr(flex_backend_table, "device_table", lambda device: flex_backend_table.FlexBackendDeviceTable(
-        torch.bfloat16, 128, 128, measured))
+    measured = FLEX_BACKENDS.device_from_json({"dtype": "bfloat16", "head_dim": 128, "block_size": 128, "entries": [
+        row("sink_window", p, 1024, 1.0, 0.5) for p in PASSES]})
+    monkeypatch.setattr(FLEX_BACKENDS, "for_device", lambda device: measured)
     real_run_flex, seen = flex.run_flex, []
 
     def spy(q, k, v, block_mask, scale, kernel_options=None):
@@ -475,6 +470,6 @@ def test_gpu_the_measured_choice_runs_flash_end_to_end(monkeypatch):
     attn = HybridAttention(8, 2, 128, {"ssa": pattern}, backend="flex").cuda()
     assert_close_to(gpu_results(attn, q, k, v, grad_out), expected, "measured choice")
     assert seen == [FLASH_OPTIONS]
-    monkeypatch.setattr(flex_backend_table, "device_table", lambda device: None)
+    monkeypatch.setattr(FLEX_BACKENDS, "for_device", lambda device: None)
     gpu_results(HybridAttention(8, 2, 128, {"ssa": pattern}, backend="flex").cuda(), q, k, v, grad_out)
     assert seen == [FLASH_OPTIONS, None]

@@ -250,7 +250,7 @@ class Router(nn.Module):
         the same logits to float32 rounding, the same weights and modes, the modes written by the kernel:
         ``Routing.fused``). None (default): on CUDA where it can run, else the torch path; True: always (on CPU
         under ``TRITON_INTERPRET=1``), ValueError where it cannot; False: the torch path. On an H100 the fused
-        call, host time included, is several times faster than the torch path (``bench/test_router_bench.py``;
+        call, host time included, is several times faster than the torch path (``bench/suites/test_router_bench.py``;
         timings in docs/notes/routers.md).
 
         NaN/inf logits (from NaN/inf states at the pooled tokens, or weights) raise a ValueError on a CPU, and

@@ -1,11 +1,11 @@
 """Which dense kernel runs full causal heads on a device: a measured per-device table.
 
-``bench/dense_kernels.py`` times SDPA's backends (flash, cuDNN, memory-efficient) and FlashAttention-4
+``bench/tables/dense_kernels.py`` times SDPA's backends (flash, cuDNN, memory-efficient) and FlashAttention-4
 (``fa4``, where installed: the ``fast`` extra) on causal GQA attention at lengths 8K to 128K, forward and
 forward+backward, and writes the ranking it measured into
 ``flexsparse/runtime/data/dense_kernels.json`` (shipped in the package), keyed by a substring of the CUDA device
-name (``"H100"`` matches ``"NVIDIA H100 80GB HBM3"``; the longest matching key wins). :data:`DENSE_KERNEL_TABLE`
-holds it, loaded at import.
+name (``"H100"`` matches ``"NVIDIA H100 80GB HBM3"``; the longest matching key wins). :data:`DENSE_KERNELS`
+holds it, loaded at import (a :class:`~flexsparse.runtime.device_tables.MeasuredTable`).
 
 SDPA's executor runs the fastest SDPA backend of a row (:func:`dense_kernel`); FlashAttention-4's executor
 (:mod:`flexsparse.runtime.fa4_executor`) prices its work at its own row throughput (:func:`kernel_rate`), so the
@@ -25,27 +25,15 @@ Rules (:func:`dense_kernel`):
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
 from torch.nn.attention import SDPBackend
 
 from flexsparse.runtime.buckets import is_kv_bucket
-from flexsparse.runtime.device_tables import (
-    cuda_device_name,
-    device_index,
-    entry_for_name,
-    entry_rows_and_dtype,
-    read_device_entries,
-    shipped_table_path,
-)
-
-PASSES = ("forward", "forward_backward")
-"""The passes the table ranks backends for: inference, and a training step's forward and backward."""
+from flexsparse.runtime.device_tables import PASSES, Field, MeasuredTable, positive_number
 
 SDPA_BACKENDS: dict[str, SDPBackend] = {
     "flash": SDPBackend.FLASH_ATTENTION,
@@ -62,6 +50,7 @@ GRAPH_BUILDING_BACKENDS = ("cudnn",)
 """Backends that build an execution graph per new shape: only run at bucketed lengths."""
 
 _FALLBACK_ORDER = ("flash", "efficient", "math")
+_KERNELS = (*SDPA_BACKENDS, *OTHER_KERNELS)
 
 
 @dataclass(frozen=True)
@@ -74,17 +63,6 @@ class DenseKernelRanking:
     tflops: Mapping[str, float]
 
 
-@dataclass(frozen=True)
-class DeviceKernels:
-    """One device's table: the dtype it was measured at and a ranking per ``(pass, length)``."""
-
-    dtype: torch.dtype
-    rankings: Mapping[tuple[str, int], DenseKernelRanking]
-
-    def lengths(self, pass_name: str) -> list[int]:
-        return sorted(length for p, length in self.rankings if p == pass_name)
-
-
 class DenseKernel(NamedTuple):
     """The backend a call runs on, and its measured throughput in FLOP/s (None: not measured)."""
 
@@ -92,71 +70,28 @@ class DenseKernel(NamedTuple):
     flops_per_s: float | None
 
 
-TABLE_FILE = "data/dense_kernels.json"
-"""The shipped table, relative to the ``flexsparse.runtime`` package."""
+def _ranking_problem(row: dict) -> str | None:
+    """What is wrong across a row's ``backends`` and ``tflops`` (None: nothing)."""
+    backends, tflops = row["backends"], row.get("tflops", {})
+    if all(b in GRAPH_BUILDING_BACKENDS or b in OTHER_KERNELS for b in backends):
+        return (f"'backends' needs one SDPA backend besides {GRAPH_BUILDING_BACKENDS} (for lengths off the bucket "
+                f"grid), got {backends!r}")
+    if not isinstance(tflops, dict) or any(b not in backends or not positive_number(t) for b, t in tflops.items()):
+        return f"'tflops' must map listed backends to positive numbers, got {tflops!r}"
+    return None
 
 
-def default_table_path() -> Path:
-    """The shipped table file (in the installed package)."""
-    return shipped_table_path(TABLE_FILE)
-
-
-def load_dense_kernel_table(path: str | Path | None = None) -> dict[str, DeviceKernels]:
-    """The table in ``path`` (default: the shipped one), by device-name substring.
-
-    The file: ``{"devices": {KEY: {"dtype": "bfloat16", "entries": [{"pass": "forward", "length": 8192,
-    "backends": ["cudnn", "flash"], "tflops": {"cudnn": 560.0}}, ...]}}}``. Raises ValueError naming the file
-    and the field that is wrong.
-    """
-    path = Path(path) if path is not None else default_table_path()
-    devices = read_device_entries(path, "dense kernel table")
-    return {key: device_kernels_from_json(entry, f"{path}: devices[{key!r}]") for key, entry in devices.items()}
-
-
-def device_kernels_from_json(entry: object, where: str = "device entry") -> DeviceKernels:
-    """One device's table from its JSON object (``{"dtype": ..., "entries": [...]}``, see
-    :func:`load_dense_kernel_table`); ``where`` names it in errors."""
-    rows, dtype = entry_rows_and_dtype(entry, "dense kernel table", where)
-    rankings = {}
-    for i, row in enumerate(rows):
-        at = f"{where}.entries[{i}]"
-        if not isinstance(row, dict):
-            raise ValueError(f"dense kernel table {at}: expected an object")
-        pass_name, length, backends = row.get("pass"), row.get("length"), row.get("backends")
-        tflops = row.get("tflops", {})
-        if pass_name not in PASSES:
-            raise ValueError(f"dense kernel table {at}: 'pass' must be one of {PASSES}, got {pass_name!r}")
-        if not isinstance(length, int) or isinstance(length, bool) or length < 1:
-            raise ValueError(f"dense kernel table {at}: 'length' must be a positive integer, got {length!r}")
-        if (not isinstance(backends, list) or not backends
-                or any(b not in (*SDPA_BACKENDS, *OTHER_KERNELS) for b in backends)
-                or len(set(backends)) != len(backends)):
-            raise ValueError(f"dense kernel table {at}: 'backends' must be a non-empty list of distinct names "
-                             f"from {(*SDPA_BACKENDS, *OTHER_KERNELS)}, got {backends!r}")
-        if all(b in GRAPH_BUILDING_BACKENDS or b in OTHER_KERNELS for b in backends):
-            raise ValueError(f"dense kernel table {at}: 'backends' needs one SDPA backend besides "
-                             f"{GRAPH_BUILDING_BACKENDS} (for lengths off the bucket grid), got {backends!r}")
-        if not isinstance(tflops, dict) or any(
-                b not in backends or not isinstance(t, (int, float)) or not t > 0 for b, t in tflops.items()):
-            raise ValueError(f"dense kernel table {at}: 'tflops' must map listed backends to positive numbers, "
-                             f"got {tflops!r}")
-        if (pass_name, length) in rankings:
-            raise ValueError(f"dense kernel table {at}: a second row for ({pass_name!r}, {length})")
-        rankings[pass_name, length] = DenseKernelRanking(tuple(backends), {b: float(t) for b, t in tflops.items()})
-    return DeviceKernels(dtype, rankings)
-
-
-DENSE_KERNEL_TABLE: dict[str, DeviceKernels] = load_dense_kernel_table()
-"""The shipped table, by device-name substring. Replace it process-wide with
-``flexsparse.runtime.dense_kernels.DENSE_KERNEL_TABLE = load_dense_kernel_table(path)``; read on every call."""
-
-
-def device_kernels(device: torch.device) -> DeviceKernels | None:
-    """The table of a CUDA device: the longest key of :data:`DENSE_KERNEL_TABLE` in its name; None for other
-    devices and names no key matches."""
-    if device.type != "cuda":
-        return None
-    return entry_for_name(DENSE_KERNEL_TABLE, cuda_device_name(device_index(device)))
+DENSE_KERNELS: MeasuredTable[DenseKernelRanking, DenseKernelRanking] = MeasuredTable(
+    "dense kernel table", "data/dense_kernels.json", key=("pass", "length"),
+    fields=(Field.one_of("pass", PASSES), Field.positive_int("length"),
+            Field("backends", lambda b: isinstance(b, list) and b != [] and all(k in _KERNELS for k in b)
+                  and len(set(b)) == len(b), f"a non-empty list of distinct names from {_KERNELS}")),
+    row=lambda row: DenseKernelRanking(tuple(row["backends"]),
+                                       {b: float(t) for b, t in row.get("tflops", {}).items()}),
+    row_problem=_ranking_problem)
+"""The table: ``{"devices": {KEY: {"dtype": "bfloat16", "entries": [{"pass": "forward", "length": 8192,
+"backends": ["cudnn", "flash"], "tflops": {"cudnn": 560.0}}, ...]}}}``, loaded at import; a device's
+:attr:`~flexsparse.runtime.device_tables.DeviceTable.series` are its rankings by ``(pass,)``."""
 
 
 def _ranking(device: torch.device, q_len: int, kv_len: int, grad: bool,
@@ -164,15 +99,11 @@ def _ranking(device: torch.device, q_len: int, kv_len: int, grad: bool,
     """The table's row for a causal prefill call (nearest measured length), or None (see the module docstring)."""
     if q_len != kv_len:
         return None
-    kernels = device_kernels(device)
-    if kernels is None or dtype != kernels.dtype:
+    table = DENSE_KERNELS.for_device(device)
+    if table is None or dtype != table.dtype:
         return None
-    pass_name = PASSES[1] if grad else PASSES[0]
-    lengths = kernels.lengths(pass_name)
-    if not lengths:
-        return None
-    nearest = min(lengths, key=lambda length: abs(math.log2(length) - math.log2(kv_len)))
-    return kernels.rankings[pass_name, nearest]
+    series = table.series.get((PASSES[1] if grad else PASSES[0],))
+    return None if series is None else series.nearest(kv_len)
 
 
 def dense_kernel(device: torch.device, q_len: int, kv_len: int, grad: bool, *, dtype: torch.dtype = torch.bfloat16,

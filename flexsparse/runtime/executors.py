@@ -108,9 +108,9 @@ def sdpa_without_graph_builds(q: Tensor, k: Tensor, v: Tensor, scale: float | No
     """Unmasked SDPA for calls whose key length changes every time (decode against a growing cache).
 
     On an H100 with torch 2.11, SDPA prefers cuDNN's attention for bf16, and cuDNN builds an execution graph for
-    every new shape, far longer than the step's GPU work (docs/bench/h100-cudnn-sdpa-growing-length.txt).
-    This call leaves cuDNN out (flash serves it, GQA without a K/V copy) and restores the setting; on other
-    devices it is plain SDPA.
+    every new shape, far longer than the step's GPU work
+    (docs/bench/hf-bench-h100/h100-cudnn-sdpa-growing-length.txt). This call leaves cuDNN out (flash serves it,
+    GQA without a K/V copy) and restores the setting; on other devices it is plain SDPA.
     """
     if q.device.type != "cuda" or not torch.backends.cuda.cudnn_sdp_enabled():
         return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=enable_gqa)

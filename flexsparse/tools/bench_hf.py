@@ -15,7 +15,7 @@ window 2048 heads). Three measurements, every ratio from times taken in the same
    memory.
 
 Run: ``flexsparse bench --hf --out bench/results``, or ``--hf --smoke`` for toy sizes on the CPU (checks the
-script, times nothing meaningful); ``python bench/hf_bench.py`` takes the sizes and parts as options. Writes
+script, times nothing meaningful); ``python bench/speed/hf_bench.py`` takes the sizes and parts as options. Writes
 ``hf-bench.json``.
 """
 
