@@ -18,7 +18,7 @@ keeps a layer's head groups (on one K/V tensor the split plan copies the flex gr
 contiguous strides on every such call: part of the "split" - "serial" gap there). Chunks and decode pass one
 prebuilt ``Positions.contiguous`` per case, as a model builds one per forward for all its layers. Decode
 cases also time ``cache decode``: SparseKVCache's per-group decode for this layer
-(``SdpaExecutor.decode_prefix`` on the full heads' keys and on the sink+window heads' 2176-slot ring),
+(SDPA over a prefix of the slots, as the cache's SDPA decoder runs it, on the full heads' keys and on the sink+window heads' 2176-slot ring),
 serial and overlapped (SparseKVCache's one-launch ``DecodeStep`` is not timed here).
 
 Cases, in this order (``--deadline-s`` cuts the tail; ``--only`` picks some): decode (q_len 1) and 512-token
@@ -67,7 +67,7 @@ from torch.nn.attention.bias import causal_lower_right
 import flexsparse.runtime.compiled
 from flexsparse import Causal, HybridAttention, Positions, SinkWindow
 from flexsparse.runtime.call import AttentionCall
-from flexsparse.runtime.executors import SdpaExecutor
+from flexsparse.runtime.executors import sdpa_without_graph_builds
 from flexsparse.runtime.inputs import call_geometry
 from flexsparse.runtime.plan import Planner
 from flexsparse.tools.bench import cuda_time_ms
@@ -232,9 +232,10 @@ def cache_decode_variants(case: Case, inputs: CaseInputs, sink: int, window: int
     k_ring, v_ring = keep(k_sparse), keep(v_sparse)
     ring = k_ring.shape[2]
     scale = DIM**-0.5
-    calls = [(lambda: SdpaExecutor.decode_prefix(q_full, k_full, v_full, case.kv_len, scale),
-              q_slice(tuple(range(FULL_KV)))),
-             (lambda: SdpaExecutor.decode_prefix(q_ring, k_ring, v_ring, ring, scale),
+    prefix = lambda q, k, v, filled: sdpa_without_graph_builds(q, k[:, :, :filled], v[:, :, :filled], scale=scale,
+                                                               enable_gqa=q.shape[1] > k.shape[1])
+    calls = [(lambda: prefix(q_full, k_full, v_full, case.kv_len), q_slice(tuple(range(FULL_KV)))),
+             (lambda: prefix(q_ring, k_ring, v_ring, ring),
               q_slice(tuple(range(FULL_KV, KV_HEADS))))]
     shape = tuple(inputs.q.shape)
     variants = {"cache decode serial": two_calls(calls, shape, inputs.q, None)}
