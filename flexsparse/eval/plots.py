@@ -1,4 +1,4 @@
-"""Quality against density: one panel per task, a point per (method, length)."""
+"""Quality against density: one panel per task and text domain, a point per (method, length)."""
 
 from __future__ import annotations
 
@@ -11,20 +11,20 @@ PLOT_FILE = "quality.png"
 _MARKERS = "osD^v<>pP*X"
 
 
-def _panels(records: Sequence[Record]) -> list[tuple[str, str]]:
-    """(task, metric) per panel: perplexity as the ratio to full where measured, else as perplexity."""
-    panels: dict[tuple[str, str], None] = {}
-    ratios = {r.task for r in records if r.metric == "perplexity_ratio"}
+def _panels(records: Sequence[Record]) -> list[tuple[str, str, str]]:
+    """(task, domain, metric) per panel: perplexity as the ratio to full where measured, else as perplexity."""
+    panels: dict[tuple[str, str, str], None] = {}
+    ratios = {(r.task, r.domain) for r in records if r.metric == "perplexity_ratio"}
     for r in records:
-        if r.metric == "perplexity" and r.task in ratios:
+        if r.metric == "perplexity" and (r.task, r.domain) in ratios:
             continue
-        panels[(r.task, r.metric)] = None
+        panels[(r.task, r.domain, r.metric)] = None
     return list(panels)
 
 
 def plot_quality(records: Sequence[Record], path: str | Path, title: str = "") -> Path:
-    """Write a PNG of each task's quality (y) against computed tile density (x); color = method, marker =
-    length."""
+    """Write a PNG of each task's quality (y) against computed tile density (x), a panel per task and domain;
+    color = method, marker = length."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -39,20 +39,21 @@ def plot_quality(records: Sequence[Record], path: str | Path, title: str = "") -
     cols = min(3, len(panels))
     rows = -(-len(panels) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 4.2 * rows), squeeze=False)
-    for ax, (task, metric) in zip(axes.flat, panels):
+    for ax, panel in zip(axes.flat, panels):
+        task, domain, metric = panel
         for r in records:
-            if (r.task, r.metric) != (task, metric):
+            if (r.task, r.domain, r.metric) != panel:
                 continue
             ax.scatter(r.density, r.value, color=colors(methods.index(r.method) % colors.N),
                        marker=_MARKERS[lengths.index(r.length) % len(_MARKERS)], s=46, alpha=0.85)
-        ax.set_title(f"{task} ({metric})")
+        ax.set_title(f"{task} on {domain} ({metric})" if domain else f"{task} ({metric})")
         ax.set_xlabel("computed tile fraction (density)")
         ax.set_ylabel(metric)
         ax.set_xlim(0, 1.05)
         ax.grid(alpha=0.3)
         if metric == "perplexity_ratio":
             ax.axhline(1.0, color="gray", lw=0.8)
-        values = [r.value for r in records if (r.task, r.metric) == (task, metric)]
+        values = [r.value for r in records if (r.task, r.domain, r.metric) == panel]
         if metric.startswith("perplexity") and max(values) > 3 * min(values):  # ESA's x26 next to 1.0x
             ax.set_yscale("log")
     for ax in list(axes.flat)[len(panels):]:
