@@ -2,14 +2,15 @@
 
 lm-eval (``pip install 'flexsparse[ruler]'``) runs any of its tasks on a subclass of its ``LM`` class; this one
 hands lm-eval's requests to a :class:`~flexsparse.eval.text_model.TextModel`, which does the work (and is tested
-without lm-eval). Use it with lm-eval's own evaluator::
+without lm-eval). :mod:`flexsparse.eval.ruler` runs RULER on it; any lm-eval task whose data lm-eval can load
+runs through lm-eval's own evaluator::
 
     import lm_eval
     from flexsparse.eval.harness import FlexsparseLM
     from flexsparse.eval.text_model import TextModel
 
     lm = FlexsparseLM(TextModel(model, tokenizer))      # model: flexsparse.convert(...)'d or not
-    results = lm_eval.simple_evaluate(model=lm, tasks=["lambada_openai"])
+    results = lm_eval.simple_evaluate(model=lm, tasks=[...])
 
 Generation is greedy (sampling requests are a ValueError); chat templates are not applied.
 """

@@ -57,7 +57,7 @@ INSTALL_HINT = "pip install 'flexsparse[ruler]' (lm-eval 0.4.13 with its ruler e
 
 RULER_MIN_LENGTH = 1024
 """The shortest length accepted: lm-eval's variable-tracking generator loops forever where its one-shot example
-(~350 of SmolLM2's tokens) leaves no room for a sample."""
+(up to 500 tokens) leaves no room for a sample."""
 
 _NIAH = {  # (haystack, key type, value type) of lm-eval's niah_utils functions
     "niah_single_1": ("repeat", "words", "numbers"),
@@ -89,8 +89,10 @@ def _quiet():
 
 
 @functools.cache
-def _ruler_modules():
-    """lm-eval's RULER modules (imported once: building niah's word list takes ~20 s and ~1 GB)."""
+def lm_eval_modules():
+    """lm-eval's RULER modules (prepare_niah, niah_utils, vt_utils, cwe_utils, fwe_utils), imported once: the import
+    builds RULER's word list (~20 s, ~1 GB); ImportError with the install hint where lm-eval or its ruler extra is
+    missing."""
     try:
         with _quiet():
             from lm_eval.tasks.ruler import cwe_utils, fwe_utils, niah_utils, prepare_niah, vt_utils
@@ -104,7 +106,7 @@ def _task_manager():
     """lm-eval's task index of its RULER folder only (the whole index takes longer to build)."""
     from lm_eval.tasks import TaskManager
 
-    prepare_niah = _ruler_modules()[0]
+    prepare_niah = lm_eval_modules()[0]
     return TaskManager(include_defaults=False, include_path=str(Path(prepare_niah.__file__).parent))
 
 
@@ -121,7 +123,7 @@ def seeded_generators(value: int):
 
     saved = random.getstate(), np.random.get_state()
     try:
-        cwe = _ruler_modules()[3].RNG
+        cwe = lm_eval_modules()[3].RNG
         kept = cwe.getstate()
         random.seed(value)
         np.random.seed(value)
@@ -138,7 +140,7 @@ def seeded_generators(value: int):
 def _documents(task: str, length: int, n: int, tokenizer) -> list[dict]:
     """lm-eval's generator of ``task`` for ``n`` samples of ``length`` tokens (what its dataset function does for
     500), in the generators' current random state."""
-    prepare_niah, niah_utils, vt_utils, cwe_utils, fwe_utils = _ruler_modules()
+    prepare_niah, niah_utils, vt_utils, cwe_utils, fwe_utils = lm_eval_modules()
     if task in _NIAH:
         haystack, keys, values = _NIAH[task]
         return prepare_niah.generate_samples(prepare_niah.get_haystack(type_haystack=haystack), max_seq_length=length,
@@ -182,7 +184,9 @@ class RulerSample:
     ``question``: the question starts at the last line break of lm-eval's input and runs to the answer prefix the
     model continues, e.g. "... mentioned in the provided text is"); ``answers``, the strings the generation must
     contain; ``max_new_tokens``, the tokens lm-eval lets the model generate (greedy, no stop strings); ``doc``,
-    lm-eval's document. :meth:`score` is lm-eval's scoring of a generation."""
+    lm-eval's document. :meth:`score` is lm-eval's scoring of a generation. The model reads the prompt encoded
+    without special tokens (``tokenizer(prompt, add_special_tokens=False)``, as
+    :class:`~flexsparse.eval.text_model.TextModel` does) and no chat template."""
 
     task: str
     length: int

@@ -16,7 +16,6 @@ and prefills (XAttention's depends on the input).
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import math
 import sys
 import time
@@ -32,8 +31,7 @@ from flexsparse.eval.head_search import SearchOptions
 from flexsparse.eval.methods import Method, Setup
 from flexsparse.eval.models import LoadedModel
 from flexsparse.eval.records import Record
-from flexsparse.eval.ruler import INSTALL_HINT as RULER_INSTALL_HINT
-from flexsparse.eval.ruler import RULER_MIN_LENGTH, ruler_scores
+from flexsparse.eval.ruler import RULER_MIN_LENGTH, lm_eval_modules, ruler_scores
 from flexsparse.eval.tasks import Prompt, Task, get_task, recall
 from flexsparse.eval.text import Corpus
 from flexsparse.eval.text_model import TextModel, greedy_generate, hidden_states, lm_logits
@@ -242,8 +240,8 @@ def evaluate(loaded: LoadedModel, methods: Sequence[Method], tasks: Sequence[str
                 raise ValueError(f"RULER tasks need lengths >= {RULER_MIN_LENGTH:,} tokens, got {length:,}")
     if not isinstance(trials, int) or trials < 1:
         raise ValueError(f"trials must be an integer >= 1, got {trials!r}")
-    if any(task.kind == "ruler" for task, _ in plan) and importlib.util.find_spec("lm_eval") is None:
-        raise ImportError(f"RULER tasks need lm-eval: {RULER_INSTALL_HINT}")
+    if any(task.kind == "ruler" for task, _ in plan):
+        lm_eval_modules()  # imported now, not inside the first RULER record's time
     corpus = domain_corpus(loaded.tokenizer) if corpus is None else corpus
     if any(task.kind == "perplexity" for task, _ in plan):
         domains = evaluation_domains(loaded.tokenizer, corpus) if domains is None else tuple(domains)
