@@ -40,6 +40,18 @@ def tiny_model(kind: str = "llama", seed: int = 0, **overrides):
     return model.eval()
 
 
+def byte_tokenizer():
+    """A transformers tokenizer of single bytes (ids 0-255, byte-level) with ``<eos>`` (id 256) as its EOS and pad
+    token and no BOS: real tokenizer behaviour (batch encodings, decoding, special tokens) without a download."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    core = Tokenizer(models.BPE(vocab={char: i for i, char in enumerate(alphabet)}, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<eos>", pad_token="<eos>")
+
+
 def left_padded(lengths: list[int], seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids and attention mask ``[B, max(lengths)]`` with the padding on the left."""
     gen = torch.Generator().manual_seed(seed)

@@ -44,6 +44,14 @@ def real_corpus():
     return Corpus.from_text(real_model().tokenizer)
 
 
+@functools.lru_cache(maxsize=1)
+def real_domains():
+    """The default evaluation domains around :func:`real_corpus`: pydoc (that corpus) and the stdlib's code."""
+    from flexsparse.eval.domains import evaluation_domains
+
+    return evaluation_domains(real_model().tokenizer, real_corpus())
+
+
 def brute_tile_density(sink: int, window: int, length: int, block: int) -> float:
     """Fraction of causal tiles holding a (query, key) pair of sink + window, by enumeration."""
     tiles = -(-length // block)

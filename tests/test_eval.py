@@ -1,13 +1,15 @@
 """flexsparse.eval and `flexsparse eval` on the real default model (SmolLM2-135M-Instruct), CPU, short lengths.
 
 Checks: full attention retrieves the pass key at 1K (>= 0.8: the model's own ability, as measured on the GPU);
-perplexity equals transformers' own loss; forced-answer scoring equals greedy generation; density is measured
+perplexity equals transformers' own loss, on each text domain (pydoc and the stdlib's code), a record each;
+forced-answer scoring equals greedy generation; density is measured
 (equal to the tile fraction counted by enumeration) and KV bytes follow the cache formula; sparse methods lose
 quality and ESA in a model not trained with it loses most; generation tasks run through the sparse KV cache; the
 command writes results.json and the plot, and reports bad input in one line with exit code 2. Prompt builders are
 checked on the real tokenizer and text.
 """
 
+import importlib.util
 import json
 import math
 import random
@@ -16,7 +18,7 @@ import re
 import pytest
 import torch
 
-from tests.real_model import brute_tile_density, real_corpus, real_model, requires_model
+from tests.real_model import brute_tile_density, real_corpus, real_domains, real_model, requires_model
 
 pytestmark = requires_model
 
@@ -28,8 +30,7 @@ def _evaluate(methods, tasks, length, trials, **kwargs):
     from flexsparse.eval.runner import evaluate
 
     return evaluate(real_model(), [parse_method(m) for m in methods], tasks, [length], trials,
-                    corpus=real_corpus(),
-                    **kwargs)
+                    corpus=real_corpus(), **{"domains": [real_corpus()], **kwargs})
 
 
 def test_full_attention_retrieves_the_passkey_at_1k():
@@ -49,6 +50,22 @@ def test_perplexity_equals_the_models_own_loss_and_sink_window_measures_its_dens
     assert ssa.value > full.value  # a 320-token reach loses information at 1K
     assert ssa.density == pytest.approx(brute_tile_density(64, 256, 1024, 128), abs=1e-6)
     assert ssa.kv_bytes == 2 * LAYERS * KV_HEADS * HEAD_DIM * 4 * (64 + 256)
+
+
+def test_perplexity_is_measured_on_each_domain_with_calibration_on_one():
+    pydoc, code = real_domains()
+    assert (pydoc.name, code.name) == ("pydoc", "code") and pydoc is real_corpus()
+    records = _evaluate(["full"], ["perplexity", "passkey"], 256, 1, domains=None)
+    assert [(r.task, r.domain) for r in records] == [("perplexity", "pydoc"), ("perplexity", "code"),
+                                                     ("passkey", "pydoc")]  # haystacks from the calibration text
+    for record, text in zip(records[:2], (pydoc, code)):
+        window = text.windows(256, 1)
+        with torch.no_grad():
+            loss = real_model().model(window, labels=window).loss
+        assert record.value == pytest.approx(math.exp(float(loss)), rel=1e-4)
+    assert records[0].value != pytest.approx(records[1].value, rel=0.05)  # two kinds of text
+    with pytest.raises(ValueError, match="distinct names"):
+        _evaluate(["full"], ["perplexity"], 256, 1, domains=[pydoc, pydoc])
 
 
 def test_forced_scoring_equals_greedy_generation():
@@ -136,17 +153,32 @@ def test_cli_eval_writes_results_table_and_plot(tmp_path, capsys):
                  "--lengths", "256", "--trials", "1", "--out", str(tmp_path), "--quiet"])
     assert code == 0
     records = json.loads((tmp_path / "results.json").read_text())
-    assert [(r["method"], r["task"], r["metric"]) for r in records] == [
-        (method, task, metric) for method in ("full", "ssa:sink=16,window=64")
-        for task, metric in (("perplexity", "perplexity"), ("perplexity", "perplexity_ratio"), ("passkey", "accuracy"))]
+    assert [(r["method"], r["task"], r["domain"], r["metric"]) for r in records] == [
+        (method, task, domain, metric) for method in ("full", "ssa:sink=16,window=64")
+        for task, domain, metric in (("perplexity", "pydoc", "perplexity"), ("perplexity", "pydoc", "perplexity_ratio"),
+                                     ("perplexity", "code", "perplexity"), ("perplexity", "code", "perplexity_ratio"),
+                                     ("passkey", "pydoc", "accuracy"))]
     for record in records:
-        assert {"method", "task", "length", "metric", "value", "n", "density", "kv_bytes"} <= set(record)
+        assert {"method", "task", "domain", "length", "metric", "value", "n", "density", "kv_bytes"} <= set(record)
         assert record["length"] == 256 and record["n"] == 1 and 0 < record["density"] <= 1
-    ratio = next(r for r in records if r["metric"] == "perplexity_ratio" and r["method"] == "full")
-    assert ratio["value"] == 1.0
+    ratios = [r["value"] for r in records if r["metric"] == "perplexity_ratio" and r["method"] == "full"]
+    assert ratios == [1.0, 1.0]
     assert (tmp_path / "quality.png").stat().st_size > 10_000
     out = capsys.readouterr().out
-    assert "perplexity_ratio" in out and "ssa:sink=16,window=64" in out
+    assert "perplexity_ratio" in out and "ssa:sink=16,window=64" in out and " code " in out
+
+
+def test_cli_eval_text_replaces_the_domains(tmp_path, capsys):
+    from flexsparse.cli import main
+    from flexsparse.eval.domains import stdlib_source
+
+    own = tmp_path / "own.txt"
+    own.write_text(stdlib_source(("textwrap",)))
+    code = main(["eval", "--methods", "full", "--tasks", "perplexity", "--lengths", "256", "--trials", "1",
+                 "--text", str(own), "--out", str(tmp_path / "run"), "--quiet", "--no-plot"])
+    assert code == 0
+    records = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert [(r["domain"], r["metric"]) for r in records] == [("text", "perplexity"), ("text", "perplexity_ratio")]
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -157,6 +189,9 @@ def test_cli_eval_writes_results_table_and_plot(tmp_path, capsys):
     (["--methods", "full", "--lengths", "16384", "--tasks", "perplexity"],
      "exceeds the model's context of 8,192"),
     (["--config", "/nonexistent-dir"], "no saved flexsparse configuration"),
+    (["--calibration-domain", "code", "--text", "README.md"], "--text replaces them: give one"),
+    (["--suite", "ruler", "--methods", "full", "--lengths", "512"],
+     "RULER tasks need lm-eval" if importlib.util.find_spec("lm_eval") is None else "RULER tasks need lengths >= 1,024"),
 ])
 def test_cli_eval_rejects_bad_input_in_one_line(argv, message, tmp_path, capsys):
     from flexsparse.cli import main

@@ -4,8 +4,9 @@ Methods: full; every head sink 64 + window 256; 1 of 3 KV heads full per layer b
 discrepancy, by the retrieval score, by DuoAttention-style gates; a global budget of 1/3 full heads by gates and
 by the better of HSA / retrieval (lower perplexity ratio at the longest length); XAttention threshold 0.9;
 TriangleMix sink 64 + window 256 + last 128 queries; ESA attn_length 256. Tasks: perplexity on held-out windows
-of Python's documentation at 2K / 4K / 8K, passkey at 2K (20 prompts, depths 10-90%). Calibration uses the first
-quarter of the text, never the evaluated part.
+of Python's documentation and of the stdlib's source (the two text domains) at 2K / 4K / 8K, passkey at 2K (20
+prompts, depths 10-90%). Calibration uses the first quarter of the documentation, never the evaluated part; the
+better of HSA / retrieval is chosen on the documentation's held-out part.
 
     PYTHONPATH=. python bench/quality/quality_smollm2.py --model PATH.gguf --out DIR
     PYTHONPATH=. python bench/quality/quality_smollm2.py --model PATH.gguf --methods full gates search \
@@ -77,8 +78,9 @@ def main() -> int:
     def keep(record) -> None:
         records.append(record)
         write_records(with_ratios(records), out / RESULTS_FILE)
-        print(f"[{time.perf_counter() - start:6.1f} s] {record.method:<18} {record.task:<10} {record.length:>5} "
-              f"{record.metric:<10} {record.value:8.3f}  density {record.density:.3f}  ({record.seconds:.1f} s)",
+        print(f"[{time.perf_counter() - start:6.1f} s] {record.method:<18} {record.task:<10} {record.domain:<5} "
+              f"{record.length:>5} {record.metric:<10} {record.value:8.3f}  density {record.density:.3f}  "
+              f"({record.seconds:.1f} s)",
               flush=True)
 
     def run(specs: list[str]) -> None:
@@ -94,8 +96,8 @@ def main() -> int:
         return finish(records, out, loaded.name, start)
     run(FIRST)
     longest = max(args.lengths)
-    ratio = {r.method: r.value for r in with_ratios(records)
-             if r.metric == "perplexity_ratio" and r.length == longest}
+    ratio = {r.method: r.value for r in with_ratios(records)  # on the calibration text's held-out part
+             if r.metric == "perplexity_ratio" and r.length == longest and r.domain == corpus.name}
     best = min(("hsa", "retrieval"), key=lambda name: ratio[name])
     print(f"best per-layer selector at {longest:,}: {best} (perplexity ratios {ratio}); its global budget next",
           flush=True)

@@ -141,8 +141,9 @@ def main() -> int:
     def keep(record) -> None:
         records.append(record)
         write_records(with_ratios(records), out / RESULTS_FILE)
-        print(f"[{time.perf_counter() - start:6.1f} s] {record.method:<40} {record.task:<10} {record.length:>5} "
-              f"{record.metric:<10} {record.value:8.3f}  density {record.density:.3f}  ({record.seconds:.1f} s)",
+        print(f"[{time.perf_counter() - start:6.1f} s] {record.method:<40} {record.task:<10} {record.domain:<5} "
+              f"{record.length:>5} {record.metric:<10} {record.value:8.3f}  density {record.density:.3f}  "
+              f"({record.seconds:.1f} s)",
               flush=True)
 
     methods = [parse_method("full")]

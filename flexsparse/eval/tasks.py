@@ -1,5 +1,6 @@
 """Evaluation tasks on real text: perplexity on held-out windows, passkey retrieval, and RULER-style tasks
-(multi-key and multi-value needles, variable tracking, common-word extraction) on real-text haystacks.
+(multi-key and multi-value needles, variable tracking, common-word extraction) on real-text haystacks; and, by
+lm-eval's task names, the RULER tasks lm-eval generates (:mod:`flexsparse.eval.ruler`, kind ``ruler``).
 
 A retrieval task builds prompts of exactly ``length`` tokens (common-word lists: at most ``length``, left-padded
 in a batch) from pieces tokenized separately. Two ways of scoring:
@@ -21,6 +22,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from flexsparse.eval.ruler import RULER_TASKS
 from flexsparse.eval.text import Corpus, encode, insert_at_depths
 
 # Nouns for the keys of multi-key and multi-value needles.
@@ -48,7 +50,7 @@ class Prompt:
 @dataclass(frozen=True)
 class Task:
     """A task: its ``name``, ``metric`` (what its records' value is) and ``kind`` (perplexity, forced,
-    generate)."""
+    generate, ruler)."""
 
     name: str
     metric: str
@@ -59,6 +61,8 @@ class Task:
         """``trials`` prompts of ``length`` tokens on haystacks of the corpus's ``split``."""
         if self.kind == "perplexity":
             raise ValueError("perplexity has windows, not prompts (Corpus.windows)")
+        if self.kind == "ruler":
+            raise ValueError(f"{self.name}'s samples come from lm-eval: flexsparse.eval.ruler.ruler_samples")
         rng = random.Random(f"{self.name}/{length}/{seed}")
         builder = _BUILDERS[self.name]
         return [builder(corpus, tokenizer, length, rng, _depth(i, trials), split) for i in range(trials)]
@@ -201,10 +205,14 @@ TASKS = {
     "multivalue": Task("multivalue", "recall", "generate"),
     "vartrack": Task("vartrack", "recall", "generate"),
     "cwe": Task("cwe", "recall", "generate"),
+    **{name: Task(name, "accuracy", "ruler") for name in RULER_TASKS},
 }
 """Every task by name."""
 
 DEFAULT_TASKS = ("perplexity", "passkey", "multikey", "multivalue", "vartrack", "cwe")
+
+SUITES = {"default": DEFAULT_TASKS, "ruler": RULER_TASKS}
+"""The task lists of ``flexsparse eval --suite``."""
 
 
 def get_task(name: str) -> Task:

@@ -1,10 +1,11 @@
 """Real text for evaluation and calibration: corpora, their token streams, and haystacks.
 
 The default corpus is Python's own language documentation, ``pydoc_data.topics`` (every CPython ships it: about
-465,000 characters, 113,000 tokens of SmolLM2's tokenizer); ``--text FILE ...`` takes the user's own. A corpus
-is tokenized once and split in two disjoint parts: the first ``calibration_fraction`` of its tokens for
-calibration (:mod:`flexsparse.eval.calibration`), the rest held out for evaluation (perplexity windows
-and the haystacks of the retrieval tasks), so a calibrated configuration is never scored on the text it saw.
+465,000 characters, 113,000 tokens of SmolLM2's tokenizer); ``--text FILE ...`` takes the user's own, and
+:mod:`flexsparse.eval.domains` adds text of another kind. A corpus is tokenized once and split in two disjoint
+parts: the first ``calibration_fraction`` of its tokens for calibration (:mod:`flexsparse.eval.calibration`), the
+rest held out for evaluation (perplexity windows and the haystacks of the retrieval tasks), so a calibrated
+configuration is never scored on the text it saw.
 """
 
 from __future__ import annotations
@@ -47,23 +48,29 @@ def encode(tokenizer, text: str) -> list[int]:
 
 @dataclass(frozen=True)
 class Corpus:
-    """A tokenized corpus: ``calibration`` and ``evaluation`` token streams (int64 ``[N]``, disjoint), and
-    ``words``, the distinct words of the evaluation part (:func:`text_words`)."""
+    """A tokenized corpus: ``calibration`` and ``evaluation`` token streams (int64 ``[N]``, disjoint),
+    ``words``, the distinct words of the evaluation part (:func:`text_words`), and ``name``, the text domain it
+    holds (records of measurements on it carry the name)."""
 
     calibration: Tensor
     evaluation: Tensor
     words: tuple[str, ...]
+    name: str = "text"
 
     @classmethod
     def from_text(cls, tokenizer, text: str | None = None,
-                  calibration_fraction: float = CALIBRATION_FRACTION) -> Corpus:
-        """Tokenize ``text`` (default :func:`default_text`) and split it."""
+                  calibration_fraction: float = CALIBRATION_FRACTION, name: str | None = None) -> Corpus:
+        """Tokenize ``text`` (default :func:`default_text`) and split it; ``name`` defaults to ``"pydoc"`` for the
+        default text, else ``"text"``."""
         if not 0.0 < calibration_fraction < 1.0:
             raise ValueError(f"calibration_fraction must be in (0, 1), got {calibration_fraction}")
+        if name is not None and (not isinstance(name, str) or not name):
+            raise ValueError(f"name must be a non-empty string, got {name!r}")
         ids = torch.tensor(encode(tokenizer, default_text() if text is None else text), dtype=torch.long)
         cut = int(len(ids) * calibration_fraction)
         held_out = ids[cut:]
-        return cls(ids[:cut], held_out, tuple(text_words(tokenizer.decode(held_out.tolist()))))
+        return cls(ids[:cut], held_out, tuple(text_words(tokenizer.decode(held_out.tolist()))),
+                   name or ("pydoc" if text is None else "text"))
 
     def part(self, split: str) -> Tensor:
         if split not in ("calibration", "evaluation"):
