@@ -421,6 +421,15 @@ def _write_side(out: Path, side: str, config: dict, methods: list[dict]) -> None
     write_json(out / SIDE_FILES[side], {"side": side, "config": config, "methods": methods})
 
 
+def _measured(out: Path, side: str, fresh: bool) -> list[dict]:
+    """The rows a side's file already holds (a run cut off by a time limit goes on from there), none with
+    ``fresh``."""
+    path = out / SIDE_FILES[side]
+    if fresh or not path.is_file():
+        return []
+    return json.loads(path.read_text())["methods"]
+
+
 def flexsparse_specs(args: argparse.Namespace, context: int, layers: int, kv_heads: int) -> list[tuple]:
     """(spec, target fraction, label) of flexsparse's rows."""
     if args.flexsparse_specs:
@@ -498,8 +507,12 @@ def step_flexsparse(args: argparse.Namespace) -> int:
               "head_dim": head_dim, "calibration_length": setup.calibration_length,
               "calibration_samples": setup.calibration_samples, "gate_steps": setup.gates.steps}
     itemsize = torch.empty((), dtype=loaded.dtype).element_size()
-    methods, pair_cache, calibrations = [], {}, {}
+    methods, pair_cache, calibrations = _measured(out, "flexsparse", args.fresh), {}, {}
+    done = {(m["spec"], m["target"]) for m in methods}
     for spec, fraction, label in plan:
+        if (spec, fraction) in done:
+            print(f"[flexsparse] {label}: measured before, kept (--fresh measures again)", flush=True)
+            continue
         method = FullMethod("full") if spec == "full" else parse_method(spec)
         start = time.perf_counter()
         method.apply(setup)
@@ -539,16 +552,27 @@ def step_flexsparse(args: argparse.Namespace) -> int:
     return 0
 
 
+class _CalibrationRows:
+    """Stands for BookSum in kvpress's on-the-fly DuoAttention scores, which read ``to_pandas()["chapter"]``."""
+
+    def __init__(self, texts: list[str]) -> None:
+        import pandas
+
+        self.frame = pandas.DataFrame({"chapter": texts})
+
+    def to_pandas(self):
+        return self.frame
+
+
 def _patch_duo_calibration(texts: list[str], tokenizer) -> None:
-    """kvpress's on-the-fly DuoAttention scores read BookSum from the hub; give them the calibration texts
-    instead (same column name and row count), and the loaded tokenizer."""
-    import datasets
+    """kvpress's on-the-fly DuoAttention scores read BookSum from the hub and load the tokenizer by the model's
+    name: give them the calibration texts (one column, as many rows) and the loaded tokenizer instead."""
     from kvpress.presses import duo_attention_press
 
-    rows = datasets.Dataset.from_dict({"chapter": texts})
-    duo_attention_press.load_dataset = lambda *a, **k: rows
+    rows = _CalibrationRows(texts)
+    duo_attention_press.load_dataset = lambda *args, **kwargs: rows
     duo_attention_press.AutoTokenizer = type("LoadedTokenizer", (), {"from_pretrained": staticmethod(
-        lambda *a, **k: tokenizer)})
+        lambda *args, **kwargs: tokenizer)})
 
 
 def build_press(name: str, fraction: float, context: int):
@@ -615,8 +639,13 @@ def step_kvpress(args: argparse.Namespace) -> int:
               "transformers": transformers.__version__, "torch": torch.__version__, "context_median": context,
               "duo_calibration_texts": len(texts)}
     plan = [(None, 1.0)] + [(name, fraction) for name in args.presses for fraction in args.fractions]
-    methods, failures = [], []
+    methods, failures = _measured(out, "kvpress", args.fresh), []
+    done = {(m["spec"], m["target"]) for m in methods}
     for name, fraction in plan:
+        if (name or "no press", fraction) in done:
+            print(f"[kvpress] {name or 'no press'} at {fraction}: measured before, kept (--fresh measures again)",
+                  flush=True)
+            continue
         press = None if name is None else build_press(name, fraction, context)
         calibration_s = None
         rows = []
@@ -750,8 +779,9 @@ def step_run(args: argparse.Namespace) -> int:
                     *_forward(args, ("length", "n", "seed", "tasks", "duo_samples", "duo_length", "no_chat_template"))],
         "flexsparse": [here, script, "flexsparse", *common, *device,
                        *_forward(args, ("fractions", "selector", "sink", "window", "flexsparse_specs", "backend",
-                                        "gate_steps", "calibration_length", "calibration_samples"))],
-        "kvpress": [str(kv_python), script, "kvpress", *common, *device, *_forward(args, ("presses", "fractions"))],
+                                        "gate_steps", "calibration_length", "calibration_samples", "fresh"))],
+        "kvpress": [str(kv_python), script, "kvpress", *common, *device,
+                    *_forward(args, ("presses", "fractions", "fresh"))],
         "table": [here, script, "table", *common],
     }
     env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
@@ -836,6 +866,10 @@ def build_parser() -> argparse.ArgumentParser:
                              help="tokens per calibration prompt (default 2048 CUDA, 512 CPU)")
             sub.add_argument("--calibration-samples", type=_at_least(1), default=None,
                              help="calibration prompts (default 8 CUDA, 2 CPU)")
+        if "fresh" in groups:
+            sub.add_argument("--fresh", action="store_true",
+                             help="measure every row again (default: keep the rows OUT's results already hold, so "
+                                  "a run cut off by a time limit goes on where it stopped)")
         if "presses" in groups:
             sub.add_argument("--presses", nargs="+", choices=PRESSES, default=list(PRESSES), metavar="PRESS",
                              help=f"of {', '.join(PRESSES)} (default: all)")
@@ -845,13 +879,13 @@ def build_parser() -> argparse.ArgumentParser:
         ).set_defaults(run=step_export)
     add("prepare", "a Python with lm-eval: OUT/samples.jsonl, meta.json, calibration.jsonl", "model_dir", "samples"
         ).set_defaults(run=step_prepare)
-    add("flexsparse", "flexsparse's Python: OUT/flexsparse.json", "model_dir", "device", "fractions", "flexsparse"
-        ).set_defaults(run=step_flexsparse)
-    add("kvpress", "kvpress's Python: OUT/kvpress.json", "model_dir", "device", "fractions", "presses"
+    add("flexsparse", "flexsparse's Python: OUT/flexsparse.json", "model_dir", "device", "fractions", "flexsparse",
+        "fresh").set_defaults(run=step_flexsparse)
+    add("kvpress", "kvpress's Python: OUT/kvpress.json", "model_dir", "device", "fractions", "presses", "fresh"
         ).set_defaults(run=step_kvpress)
     add("table", "OUT/table.json and OUT/table.md from the two sides' results").set_defaults(run=step_table)
     run = add("run", "every step, each with its Python (start it with flexsparse's)", "model", "device", "samples",
-              "fractions", "flexsparse", "presses")
+              "fractions", "flexsparse", "presses", "fresh")
     run.add_argument("--steps", nargs="+", choices=STEPS, default=list(STEPS), help="steps to run (default: all)")
     run.add_argument("--threads", type=_at_least(1), default=None,
                      help="CPU threads of every step (OMP_NUM_THREADS; default: torch's own choice)")

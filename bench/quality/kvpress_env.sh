@@ -10,8 +10,9 @@
 #       (here, after the build) the wheels a machine without internet needs for the kvpress step, pinned to the
 #       built venv's versions (a package published as source only is built into a wheel): DIR/part-1 holds
 #       what the H200 image lacks or holds in a version kvpress's transformers 5.2 refuses (kvpress,
-#       transformers 5.2.0, tokenizers 0.22.2, huggingface-hub, datasets and its dill/multiprocess/fsspec, fire, termcolor,
-#       cachetools, gguf); --all adds every other requirement (no torch) in part-2... for a bare machine.
+#       transformers 5.2.0, tokenizers 0.22.2, huggingface-hub, datasets and its dill/multiprocess/fsspec,
+#       fire, termcolor, cachetools, gguf); --all adds every other requirement (no torch) in part-2... for a
+#       bare machine.
 #       Each part is at most 60 MiB; DIR/requirements.txt lists every pin.
 #   bash bench/quality/kvpress_env.sh --from-wheels DIR
 #       (there) install DIR's part-*/*.whl offline into $KVPRESS_VENV/site (pip --target, no dependency
@@ -24,11 +25,12 @@ TOP_PACKAGES=(kvpress==0.5.5 gguf accelerate)
 SAMPLE_PACKAGES=("lm-eval[ruler]==0.4.13")
 # what the H200 image (KINDS.md's package list, 2026-11) lacks, or holds in a version transformers 5.2 refuses
 # at import (tokenizers 0.23.2 > 0.23.0)
-IMAGE_LACKS="kvpress transformers tokenizers huggingface-hub datasets dill multiprocess fsspec fire termcolor cachetools gguf"
+IMAGE_LACKS="kvpress transformers tokenizers huggingface-hub datasets dill multiprocess fsspec fire termcolor
+cachetools gguf"
 PART_MIB=60
 HERE="$(cd "$(dirname "$0")" && pwd)"
 
-usage() { sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; }
 
 mode=build dir="" python_version="" print=0 all=0
 while [[ $# -gt 0 ]]; do
