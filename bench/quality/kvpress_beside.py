@@ -61,24 +61,38 @@ DuoAttention uses its own fixed sink 128 + window 256 and a ``head_compression_r
 its on-the-fly scores need BookSum from the hub, so ``kmfoda/booksum`` is replaced by the calibration texts
 (``OUT/calibration.jsonl``: windows of flexsparse's calibration text, Python's documentation).
 
-Commands (from the repository root; the first builds kvpress's venv in /tmp/kvpress-venv, with lm-eval):
+Commands, from the repository root. kvpress's venv (/tmp/kvpress-venv, with lm-eval for the samples):
 
     bash bench/quality/kvpress_env.sh
-    # CPU, small (2 samples per task at 1,024 tokens, 2 presses + DuoAttention, 3 fractions; ~25 min on 2 cores):
+
+CPU, small: 2 samples per task at 1,024 tokens, SnapKV and DuoAttention (on-the-fly scores on 50 texts of 256
+tokens), 3 fractions, flexsparse's gates rows (CPU_MINUTES on the 2 shared cores of a developer machine):
+
     /work/main/.venv/bin/python bench/quality/kvpress_beside.py run --length 1024 --n 2 \\
-        --presses streaming_llm snapkv duo_attention --out /tmp/kvpress-beside
+        --presses snapkv duo_attention --duo-length 256 --threads 1 --out /tmp/kvpress-beside
 
-    # GPU at 4K with every press. The samples are made where lm-eval is (here), carried with the model's GGUF:
+GPU (H200) at 4K with every press. The samples are made here, where lm-eval is; the model travels with
+``bench/ship_model.sh``, kvpress's wheels with ``kvpress_env.sh``; each device call carries at most 64 MiB:
+
     /work/main/.venv/bin/python bench/quality/kvpress_beside.py run --steps export prepare --length 4096 \\
-        --n 20 --out OUT
-    #   ... carry OUT/samples.jsonl OUT/meta.json OUT/calibration.jsonl and the wheels of
-    #   `bash bench/quality/kvpress_env.sh --download-wheels DIR` to the GPU machine, then there:
-    bash bench/quality/kvpress_env.sh --from-wheels DIR
-    python bench/quality/kvpress_beside.py run --steps export flexsparse kvpress table --model PATH.gguf \\
-        --out OUT
+        --n 20 --threads 1 --out bench/results/kvpress-beside
+    bash bench/quality/kvpress_env.sh --download-wheels bench/results/kvpress-wheels --python-version 3.12
+    bench/ship_model.sh split
+    # device call 1: carry bench/results/ship/part-aa and bench/results/ship/gguf-*.whl;
+    #     command: bench/ship_model.sh stash
+    # device call 2: carry bench/results/ship/part-ab, bench/results/ship/model.sha256 and
+    #     bench/results/kvpress-wheels/part-1; command: bench/ship_model.sh stash && bench/ship_model.sh join &&
+    #     bash bench/quality/kvpress_env.sh --from-wheels bench/results/kvpress-wheels
+    # device call 3, repeated until the table is whole (rows already measured are kept): carry
+    #     bench/results/kvpress-beside/samples.jsonl, meta.json and calibration.jsonl; command:
+    timeout 560 env PYTHONPATH=/tmp/flexsparse-ship/site python3 bench/quality/kvpress_beside.py run \\
+        --steps export flexsparse kvpress table --out bench/results/kvpress-beside \\
+        --model /tmp/flexsparse-ship/SmolLM2-135M-Instruct.Q4_1.gguf; \\
+        cp bench/results/kvpress-beside/*.json bench/results/kvpress-beside/table.md $OUT/
 
-``run --steps`` picks steps (default: all); every step writes its file as soon as a row is measured, so a
-cut-off run keeps its rows. ``--help`` of each subcommand lists its options.
+(The machine keeps /tmp while it stays warm; a fresh one needs calls 1 and 2 again.) ``run --steps`` picks
+steps (default: all); each step writes its file as soon as a row is measured, and a step run again keeps the
+rows its file holds (``--fresh`` measures them again). ``--help`` of each subcommand lists its options.
 """
 
 from __future__ import annotations
@@ -729,13 +743,19 @@ def step_table(args: argparse.Namespace) -> int:
                "calibration s"] + tasks + ["mean"])
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:
-        cells = [r["method"], _cell(r["target"]), _cell(r["kept"], 3), _cell(r["prefill_pairs"], 3),
+        method = r["method"]
+        if r.get("head_compression_ratio") is not None:
+            method += f" (head_compression_ratio {r['head_compression_ratio']:.2f})"
+        cells = [method, _cell(r["target"]), _cell(r["kept"], 3), _cell(r["prefill_pairs"], 3),
                  _cell(r["prefill_tiles"], 3), _cell(r["prefill_gflop"], 2), _cell(r["prefill_s"], 2),
                  _cell(r["calibration_s"], 1)]
         cells += [_cell(r["accuracy"].get(t)) for t in tasks] + [_cell(r["mean_accuracy"])]
         lines.append("| " + " | ".join(cells) + " |")
-    note = (f"RULER at {meta.get('length')} tokens, {meta.get('n')} samples per task (sources: "
-            f"{meta.get('sources')}); accuracy: lm-eval's string_match_all.")
+    sources = ", ".join(sorted(set((meta.get("sources") or {}).values()))) or "-"
+    note = (f"RULER at {meta.get('length')} tokens, {meta.get('n')} samples per task (samples from {sources}); "
+            "accuracy: lm-eval's string_match_all; KV kept: entries held after the context's prefill / full; "
+            "prefill pairs and GFLOP: attention of the whole prompt's prefill against causal; calibration s: "
+            "head scores (DuoAttention on the fly, flexsparse's gates), shared by the rows of one calibration.")
     text = "\n".join(lines) + "\n\n" + note + "\n"
     if failures:
         text += "\nFailed presses:\n" + "".join(f"- {f['press']} at {f['target']}: {f['error']}\n" for f in failures)
