@@ -66,7 +66,7 @@ Commands, from the repository root. kvpress's venv (/tmp/kvpress-venv, with lm-e
     bash bench/quality/kvpress_env.sh
 
 CPU, small: 2 samples per task at 1,024 tokens, SnapKV and DuoAttention (on-the-fly scores on 50 texts of 256
-tokens), 3 fractions, flexsparse's gates rows (CPU_MINUTES on the 2 shared cores of a developer machine):
+tokens), 3 fractions, flexsparse's gates rows (46 min on the 2 shared cores of a developer machine at load ~8):
 
     /work/main/.venv/bin/python bench/quality/kvpress_beside.py run --length 1024 --n 2 \\
         --presses snapkv duo_attention --duo-length 256 --threads 1 --out /tmp/kvpress-beside
@@ -856,8 +856,9 @@ def build_parser() -> argparse.ArgumentParser:
         if "device" in groups:
             sub.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
         if "samples" in groups:
-            sub.add_argument("--length", type=_at_least(256), default=4096,
-                             help="RULER's max_seq_length in tokens (default 4096)")
+            sub.add_argument("--length", type=_at_least(1024), default=4096,
+                             help="RULER's max_seq_length in tokens, >= 1024: lm-eval's variable tracking loops "
+                                  "forever below (default 4096)")
             sub.add_argument("--n", type=_at_least(1), default=20, help="samples per task (default 20)")
             sub.add_argument("--seed", type=int, default=0)
             sub.add_argument("--tasks", nargs="+", choices=list(TASKS), default=list(TASKS), metavar="TASK",
