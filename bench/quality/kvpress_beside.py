@@ -366,15 +366,22 @@ def step_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def model_source(args: argparse.Namespace, gguf: bool = False) -> Path:
+    """The model a step runs: ``--model-dir`` or OUT/model (a transformers directory; kvpress's step also takes a
+    .gguf file); FileNotFoundError naming the export step when it is not there."""
+    source = Path(args.model_dir) if args.model_dir else Path(args.out) / "model"
+    if (source / "config.json").is_file() or (gguf and source.suffix == ".gguf" and source.is_file()):
+        return source
+    raise FileNotFoundError(f"{source} is not a model directory: run the export step first (run --steps export), "
+                            "or give --model-dir")
+
+
 def step_prepare(args: argparse.Namespace) -> int:
     _flexsparse_import()  # for (a) and (c); flexsparse's pure-Python task code imports under kvpress's venv too
     from transformers import AutoTokenizer
 
     out = Path(args.out)
-    model_dir = Path(args.model_dir or out / "model")
-    if not (model_dir / "config.json").is_file():
-        raise FileNotFoundError(f"{model_dir} is not a model directory: run the export step first")
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    tokenizer = AutoTokenizer.from_pretrained(str(model_source(args)))
     head, tail = chat_frame(tokenizer, not args.no_chat_template)
     encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
     sources, lines = {}, []
@@ -501,7 +508,7 @@ def step_flexsparse(args: argparse.Namespace) -> int:
     meta, items = read_samples(out)
     device = _device(args.device)
     cuda = device.type == "cuda"
-    loaded = load_model(args.model_dir or out / "model", device=device)
+    loaded = load_model(model_source(args), device=device)
     model, tokenizer = loaded.model, loaded.tokenizer
     layers = attention_layers(model)
     heads, kv_heads, head_dim = layer_heads(layers[0][1])
@@ -639,7 +646,7 @@ def step_kvpress(args: argparse.Namespace) -> int:
     device = _device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     transformers.utils.logging.disable_progress_bar()
-    source = Path(args.model_dir or out / "model")
+    source = model_source(args, gguf=True)
     model, tokenizer = _load_for_kvpress(source, device, dtype)
     if meta["eos_token_ids"]:
         model.generation_config.eos_token_id = meta["eos_token_ids"]  # the tokenizer's, as on flexsparse's side
