@@ -166,7 +166,9 @@ def test_calibrate_saves_a_config_that_loads_and_lowers_density(tmp_path, capsys
     assert "of the KV heads full (global budget)" in capsys.readouterr().out
     assert main(["eval", "--config", str(config), "--methods", "--tasks", "perplexity", "--lengths", "512",
                  "--trials", "1", "--out", str(tmp_path / "eval"), "--quiet", "--no-plot"]) == 0
-    (record,) = json.loads((tmp_path / "eval" / "results.json").read_text())
+    records = json.loads((tmp_path / "eval" / "results.json").read_text())
+    assert [r["domain"] for r in records] == ["pydoc", "code"]  # perplexity on both text domains
+    record = records[0]
     modes = json.loads((config / "flexsparse.json").read_text())["layers"]
     full = sum(m == "full" for layer in modes for m in layer["modes"]) / (LAYERS * KV_HEADS)
     assert full == pytest.approx(1 / 3)

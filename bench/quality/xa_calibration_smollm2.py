@@ -143,7 +143,7 @@ def main() -> int:
     def keep(record) -> None:
         records.append(record)
         write_records(with_ratios(records), out / RESULTS_FILE)
-        print(f"{stamp()} {record.method:<40} {record.task} {record.length:>5} {record.metric} "
+        print(f"{stamp()} {record.method:<40} {record.task} {record.domain:<5} {record.length:>5} {record.metric} "
               f"{record.value:8.3f} density {record.density:.3f} ({record.seconds:.1f} s)", flush=True)
 
     evaluate(loaded, [parse_method("full"), parse_method(xa_spec), calibrated], ["perplexity"], [args.length],
