@@ -288,7 +288,7 @@ def _stub_run(monkeypatch):
 
     called = {}
     monkeypatch.setattr(models, "load_model", lambda *a, **k: types.SimpleNamespace(name="stub", tokenizer=None))
-    monkeypatch.setattr(Corpus, "from_text", classmethod(lambda cls, tokenizer, text=None: "corpus"))
+    monkeypatch.setattr(Corpus, "from_text", classmethod(lambda cls, tokenizer, text=None, name=None: "corpus"))
 
     def evaluate(loaded, methods, tasks, lengths, trials, **kwargs):
         called.update(methods=[m.name for m in methods], tasks=tasks, lengths=lengths, trials=trials, **kwargs)
