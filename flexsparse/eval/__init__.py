@@ -9,7 +9,9 @@ with quality, computed tile density and KV bytes), ``plot_quality``. The command
 Calibration, with the model itself on the calibration part of real text: ``calibrate`` (which KV heads stay
 full: a ``Calibration``; also ``flexsparse.calibrate`` and ``flexsparse calibrate``), ``train_routers`` (head
 or layer routers fitted to a budget: a ``RouterFit``) and :mod:`flexsparse.eval.xa_calibration` (per-head
-XAttention thresholds that keep a target share of the true attention mass).
+XAttention thresholds that keep a target share of the true attention mass) and ``calibrate_frontier`` (one
+option per KV head, full, sink + window or XAttention, under a ``Budget`` of attention tiles and/or KV bytes at a
+length, with the quality-against-budget frontier; also ``flexsparse calibrate --method frontier``).
 """
 
 _EXPORTS = {
@@ -18,6 +20,7 @@ _EXPORTS = {
     "read_records": "records", "write_records": "records", "format_table": "records", "plot_quality": "plots",
     "Calibration": "calibration", "calibrate": "calibration", "RouterFit": "router_fitting",
     "train_routers": "router_fitting", "GateOptions": "gates", "SearchOptions": "head_search",
+    "calibrate_frontier": "frontier", "FrontierResult": "frontier", "Budget": "budget",
 }
 
 

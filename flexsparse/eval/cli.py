@@ -117,6 +117,10 @@ def run_calibrate(args: argparse.Namespace) -> int:
     from flexsparse.masks import SinkWindow
 
     cuda = _cuda(args.device)
+    if args.method == "frontier":
+        from flexsparse.eval.frontier import run_command
+
+        return run_command(args, cuda)
     length = args.length or (2048 if cuda else 512)
     samples = args.samples or (8 if cuda else 2)
     _positive("--length", length)
@@ -198,9 +202,12 @@ def add_calibrate_command(subparsers) -> None:
     parser = subparsers.add_parser(
         "calibrate", help="choose the full KV heads of a real model by a selector and save the configuration")
     parser.add_argument("--model", default=None, help="as for eval (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--method", default="retrieval", choices=["hsa", "retrieval", "entropy", "gates", "search"],
+    parser.add_argument("--method", default="retrieval",
+                        choices=["hsa", "retrieval", "entropy", "gates", "search", "frontier"],
                         help="selector (default retrieval; gates trains DuoAttention-style gates; search refines "
-                             "the gates' choice on the model's own loss)")
+                             "the gates' choice on the model's own loss; frontier chooses full, sink + window or "
+                             "XAttention per KV head under --tiles/--kv at --at tokens and writes the "
+                             "quality-against-budget frontier)")
     parser.add_argument("--budget", type=float, default=1 / 3, metavar="FRACTION_FULL",
                         help="fraction of KV heads kept full (default 1/3)")
     parser.add_argument("--global", dest="global_budget", action="store_true",
@@ -216,8 +223,24 @@ def add_calibrate_command(subparsers) -> None:
                         help="search: tokens per calibration text window it scores (default: --length)")
     parser.add_argument("--text", nargs="+", default=None, metavar="FILE",
                         help="calibration corpus (default pydoc topics)")
+    frontier = parser.add_argument_group("frontier (--method frontier)")
+    frontier.add_argument("--tiles", type=float, default=None, metavar="FRACTION",
+                          help="budget: fraction of the causal attention tiles computed at --at tokens")
+    frontier.add_argument("--kv", type=float, default=None, metavar="FRACTION",
+                          help="budget: fraction of a full KV cache's bytes kept at --at tokens")
+    frontier.add_argument("--at", type=int, default=None, metavar="TOKENS",
+                          help="the budget's length, also the calibration prompts' (default: --length)")
+    frontier.add_argument("--windows", type=int, nargs="+", default=None, metavar="W",
+                          help="sink + window options (default 128 256 512 1024 2048, those below --at)")
+    frontier.add_argument("--xa-thresholds", type=float, nargs="*", default=None, metavar="T",
+                          help="XAttention options (default 0.9 0.8; none: no XAttention)")
+    frontier.add_argument("--points", type=int, default=6, help="budget points of the frontier sweep (default 6)")
+    frontier.add_argument("--no-continuation", action="store_true",
+                          help="solve every budget from the full model's scores (faster, usually worse; default: "
+                               "re-linearise at each sweep point down to your budget)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
-    parser.add_argument("--out", required=True, help="folder for flexsparse.json (+ calibration.json)")
+    parser.add_argument("--out", required=True,
+                        help="folder for flexsparse.json (+ calibration.json; frontier: frontier.json/csv/md/png)")
     parser.set_defaults(run=run_calibrate)
