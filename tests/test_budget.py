@@ -155,3 +155,23 @@ def test_layer_shaped_inputs_give_layer_shaped_choices():
     flat = solve(loss, costs, Budget(tiles=0.4))
     assert shaped.options.shape == (4, 3)
     assert torch.equal(shaped.options.flatten(), flat.options)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), tiles=st.floats(0.05, 1.0), kv=st.floats(0.05, 1.0) | st.none())
+def test_any_solved_choice_meets_its_budgets(seed, tiles, kv):
+    generator = torch.Generator().manual_seed(seed)
+    heads, count = 9, 5
+    loss = torch.rand(heads, count, generator=generator)
+    loss[:, 0] = 0  # full: no loss, full cost
+    costs = {kind: torch.rand(heads, count, generator=generator) for kind in ("tiles", "kv")}
+    for cost in costs.values():
+        cost[:, 0] = 1
+    budget = Budget(tiles=tiles, kv=kv)
+    try:
+        found = solve(loss, costs, budget)
+    except ValueError as error:
+        assert "below the cheapest" in str(error) or "no choice of these options found" in str(error)
+        return
+    assert budget.admits(found.costs)
+    assert found.loss == pytest.approx(float(loss.gather(1, found.options[:, None]).sum()))

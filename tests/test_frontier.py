@@ -51,6 +51,17 @@ def test_options_refuse_what_cannot_save_anything(kwargs, message):
         head_options(**kwargs)
 
 
+def test_the_sweep_runs_from_the_cheapest_reachable_to_all_full_through_your_budget():
+    from flexsparse.eval.budget import Budget
+    from flexsparse.eval.frontier import budget_scales
+
+    scales = budget_scales(Budget(tiles=0.4, kv=0.5), {"tiles": 0.1, "kv": 0.25}, 4)
+    assert scales == sorted(scales) and 1.0 in scales and len(scales) == 5
+    assert scales[0] == pytest.approx(0.5)  # kv reaches its floor first: 0.25 / 0.5
+    assert scales[-1] == pytest.approx(2.5)  # the tiles limit reaches 1
+    assert Budget(tiles=0.4, kv=0.5).scaled(scales[-1]) == Budget(tiles=1.0, kv=1.0)
+
+
 @requires_model
 def test_a_run_with_per_head_options_is_the_converted_model():
     from flexsparse.eval.head_options import convert_choice, head_options, options_applied
@@ -110,6 +121,24 @@ def test_first_order_effects_predict_single_head_changes():
             change = objective.measure() - full
             predicted = float(flat[index])
             assert change * predicted > 0 and abs(change - predicted) < 0.6 * abs(predicted)
+
+
+@requires_model
+def test_effects_at_a_sparse_base_see_the_model_on_that_base():
+    from flexsparse.eval.head_options import head_options, options_applied
+    from flexsparse.eval.head_search import CalibrationObjective, SearchOptions
+    from flexsparse.eval.option_effects import option_effects
+
+    loaded = real_model()
+    options = head_options(256, windows=[64], sink=16, xa_thresholds=[0.9])
+    objective = CalibrationObjective(loaded.model, loaded.tokenizer, real_corpus(),
+                                     SearchOptions(text_windows=1, passkey_prompts=0), 256)
+    base = torch.randint(0, 3, (LAYERS, KV_HEADS), generator=torch.Generator().manual_seed(1))
+    effects = option_effects(loaded.model, objective, options, base=base)
+    with options_applied(loaded.model, options, base.clone()):
+        assert effects.objective == pytest.approx(objective.measure(), rel=1e-5)
+    assert bool((effects.tiles[:, :, 2] > 0).all()) and bool((effects.tiles[:, :, 2] <= 1).all())  # XA measured
+    assert float(effects.magnitudes[:, :, 1].min()) > 0  # the window changes every head's output, at any base
 
 
 @requires_model

@@ -8,7 +8,7 @@ with quality, computed tile density and KV bytes), ``plot_quality``. The command
 
 Calibration, with the model itself on the calibration part of real text: ``calibrate`` (which KV heads stay
 full: a ``Calibration``; also ``flexsparse.calibrate`` and ``flexsparse calibrate``), ``train_routers`` (head
-or layer routers fitted to a budget: a ``RouterFit``) and :mod:`flexsparse.eval.xa_calibration` (per-head
+or layer routers fitted to a budget: a ``RouterFit``), :mod:`flexsparse.eval.xa_calibration` (per-head
 XAttention thresholds that keep a target share of the true attention mass) and ``calibrate_frontier`` (one
 option per KV head, full, sink + window or XAttention, under a ``Budget`` of attention tiles and/or KV bytes at a
 length, with the quality-against-budget frontier; also ``flexsparse calibrate --method frontier``).

@@ -216,7 +216,9 @@ def add_calibrate_command(subparsers) -> None:
     parser.add_argument("--window", type=int, default=256, help="window of the sparse heads (default 256)")
     parser.add_argument("--length", type=int, default=None,
                         help="tokens per calibration prompt (default 2048 CUDA, 512 CPU)")
-    parser.add_argument("--samples", type=int, default=None, help="calibration prompts (default 8 CUDA, 2 CPU)")
+    parser.add_argument("--samples", type=int, default=None,
+                        help="calibration prompts (default 8 CUDA, 2 CPU; frontier: text windows, default 3 CUDA, "
+                             "1 CPU)")
     parser.add_argument("--gate-steps", type=int, default=None,
                         help="gates: training steps (default 200 CUDA, 10 CPU)")
     parser.add_argument("--search-length", type=int, default=None,

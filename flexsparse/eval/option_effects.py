@@ -85,16 +85,24 @@ class _LayerEffects:
         self.index, self.options, self.base, self.sums = index, options, base[index].tolist(), sums
         self.device = next(module.parameters()).device
         self.base_attention = self._attention(options.patterns())
+        self.static = {o: self._attention(option.pattern) for o, option in enumerate(options.options)
+                       if o and not option.pattern.is_dynamic}
 
     def _attention(self, patterns: dict[str, Pattern] | Pattern) -> HybridAttention:
         return HybridAttention(self.heads, self.kv_heads, self.dim, patterns, backend="dense",
                                max_dense_len=self.options.length).to(self.device)
 
     def base_output(self, module: nn.Module, q: Tensor, k: Tensor, v: Tensor, scaling: float | None) -> Tensor:
-        """The layer's output ``[B, S, H, d]`` with its heads on their base options (differentiable)."""
+        """The layer's output ``[B, S, H, d]`` with its heads on their base options (differentiable; dynamic
+        options are resolved on detached q/k first, so no estimator runs under autograd)."""
         if not any(self.base):
             return sdpa_attention_forward(module, q, k, v, None, scaling=scaling)[0]
-        return self.base_attention(q, k, v, modes=self.base, scale=scaling).transpose(1, 2)
+        attention = self.base_attention
+        if any(self.options.options[mode].pattern.is_dynamic for mode in self.base):
+            attention = self._attention({
+                option.name: option.pattern.resolve(q.detach(), k.detach()) if option.pattern.is_dynamic
+                and o in self.base else option.pattern for o, option in enumerate(self.options.options)})
+        return attention(q, k, v, modes=self.base, scale=scaling).transpose(1, 2)
 
     @torch.no_grad()
     def accumulate(self, module: nn.Module, q: Tensor, k: Tensor, v: Tensor, scaling: float | None, base: Tensor,
@@ -108,13 +116,15 @@ class _LayerEffects:
         full = base if not any(self.base) else sdpa_attention_forward(module, q, k, v, None, scaling=scaling)[0]
         full = full.float()
         for o, option in enumerate(self.options.options[1:], start=1):
-            pattern = option.pattern
-            if pattern.is_dynamic:
-                pattern = pattern.resolve(q, k)
-                shares = tile_shares(pattern, geo).view(-1, self.kv_heads, group).mean(-1)  # [B, H_kv]
+            if option.pattern.is_dynamic:
+                resolved = option.pattern.resolve(q, k)
+                shares = tile_shares(resolved, geo).view(-1, self.kv_heads, group).mean(-1)  # [B, H_kv]
                 self.sums["tiles"][self.index, :, o] += shares.sum(0).to(torch.float64)
                 self.sums["counts"][self.index, :, o] += shares.shape[0]
-            output = self._attention(pattern)(q, k, v, scale=scaling).transpose(1, 2)
+                attention = self._attention(resolved)
+            else:
+                attention = self.static[o]
+            output = attention(q, k, v, scale=scaling).transpose(1, 2)
             change = (grad * (output.float() - full)).sum(-1)  # [B, S, H]
             change = change.view(*change.shape[:2], self.kv_heads, group).sum(-1)  # [B, S, H_kv]
             self.sums["effects"][self.index, :, o] += change.sum((0, 1)).to(torch.float64)
