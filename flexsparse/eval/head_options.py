@@ -14,8 +14,8 @@ threshold T) for each threshold. Their costs at length L, as fractions of a full
 
 :func:`options_applied` runs a transformers causal LM with KV head h of layer l on option ``choice[l, h]``, through
 an attention function registered for the time of the call: layers whose heads are all full run the model's own
-SDPA attention, the others a :class:`~flexsparse.HybridAttention` with the options as its patterns, on the dense
-backend (no compilation, any device; O(S^2) masks, in chunks of rows) with the choice's row as its modes.
+SDPA attention, the others a :class:`~flexsparse.HybridAttention` with the options their row uses as its patterns
+(:class:`OptionAttention`), on the dense backend (no compilation, any device; O(S^2) masks, in chunks of rows).
 """
 
 from __future__ import annotations
@@ -163,15 +163,40 @@ def check_choice(choice: Tensor, options: OptionSet, layers: int, kv_heads: int)
                          f"{tuple(getattr(choice, 'shape', ()))}")
 
 
+class OptionAttention:
+    """One layer's attention over the options, on the dense backend: a row of option indices (one per KV head)
+    runs on a :class:`~flexsparse.HybridAttention` of just the options it uses (fewer masks built and gathered),
+    built on first use and kept, unless ``resolved`` patterns (option index -> the dynamic option resolved on these
+    inputs) are given."""
+
+    def __init__(self, options: OptionSet, module: nn.Module, max_len: int) -> None:
+        self.options, self.max_len = options, max_len
+        self.shape = layer_heads(module)
+        self.device = next(module.parameters()).device
+        self.kept: dict[tuple[int, ...], HybridAttention] = {}
+
+    def _build(self, used: tuple[int, ...], resolved: dict[int, Pattern]) -> HybridAttention:
+        patterns = {self.options.options[o].name: resolved.get(o, self.options.options[o].pattern) for o in used}
+        return HybridAttention(*self.shape, patterns, backend="dense", max_dense_len=self.max_len).to(self.device)
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, row: Sequence[int], scale: float | None = None,
+                 resolved: dict[int, Pattern] | None = None) -> Tensor:
+        """Attention ``[B, H, S, d]`` of q ``[B, H, S, d]``, k/v ``[B, H_kv, S, d]`` with KV head h on option
+        ``row[h]``."""
+        used = tuple(sorted(set(row)))
+        if resolved:
+            attention = self._build(used, resolved)
+        else:
+            attention = self.kept.get(used) or self.kept.setdefault(used, self._build(used, {}))
+        return attention(q, k, v, modes=[used.index(o) for o in row], scale=scale)
+
+
 class _LayerOptions:
-    """One layer's row of the shared choice and the HybridAttention (dense) running it."""
+    """One layer's row of the shared choice and the attention running it."""
 
     def __init__(self, index: int, module: nn.Module, options: OptionSet, choice: Tensor, max_len: int) -> None:
-        heads, kv_heads, dim = layer_heads(module)
         self.index, self.choice = index, choice
-        device = next(module.parameters()).device
-        self.attention = HybridAttention(heads, kv_heads, dim, options.patterns(), backend="dense",
-                                         max_dense_len=max_len).to(device)
+        self.attention = OptionAttention(options, module, max_len)
 
     def modes(self) -> list[int]:
         return self.choice[self.index].tolist()
@@ -186,7 +211,7 @@ def _option_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tens
     modes = state.modes()
     if not any(modes):
         return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling, **kwargs)
-    return state.attention(query, key, value, modes=modes, scale=scaling).transpose(1, 2), None
+    return state.attention(query, key, value, modes, scaling).transpose(1, 2), None
 
 
 @contextlib.contextmanager

@@ -31,7 +31,7 @@ head's resolved block table (the mean over its query heads and the calibration p
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -39,8 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from flexsparse.attention import HybridAttention
-from flexsparse.eval.head_options import OptionSet, check_choice, tile_shares
+from flexsparse.eval.head_options import OptionAttention, OptionSet, check_choice, tile_shares
 from flexsparse.eval.head_search import CalibrationObjective
 from flexsparse.eval.swapped_attention import attention_swapped
 from flexsparse.integrations.transformers import attention_layers, layer_heads
@@ -81,28 +80,21 @@ class _LayerEffects:
 
     def __init__(self, index: int, module: nn.Module, options: OptionSet, base: Tensor,
                  sums: dict[str, Tensor]) -> None:
-        self.heads, self.kv_heads, self.dim = layer_heads(module)
+        self.heads, self.kv_heads, _ = layer_heads(module)
         self.index, self.options, self.base, self.sums = index, options, base[index].tolist(), sums
-        self.device = next(module.parameters()).device
-        self.base_attention = self._attention(options.patterns())
-        self.static = {o: self._attention(option.pattern) for o, option in enumerate(options.options)
-                       if o and not option.pattern.is_dynamic}
+        self.attention = OptionAttention(options, module, options.length)
 
-    def _attention(self, patterns: dict[str, Pattern] | Pattern) -> HybridAttention:
-        return HybridAttention(self.heads, self.kv_heads, self.dim, patterns, backend="dense",
-                               max_dense_len=self.options.length).to(self.device)
+    def _resolved(self, q: Tensor, k: Tensor, used: Sequence[int]) -> dict[int, Pattern]:
+        """The dynamic options among ``used`` resolved on (detached) q/k."""
+        return {o: self.options.options[o].pattern.resolve(q.detach(), k.detach()) for o in used
+                if self.options.options[o].pattern.is_dynamic}
 
     def base_output(self, module: nn.Module, q: Tensor, k: Tensor, v: Tensor, scaling: float | None) -> Tensor:
         """The layer's output ``[B, S, H, d]`` with its heads on their base options (differentiable; dynamic
         options are resolved on detached q/k first, so no estimator runs under autograd)."""
         if not any(self.base):
             return sdpa_attention_forward(module, q, k, v, None, scaling=scaling)[0]
-        attention = self.base_attention
-        if any(self.options.options[mode].pattern.is_dynamic for mode in self.base):
-            attention = self._attention({
-                option.name: option.pattern.resolve(q.detach(), k.detach()) if option.pattern.is_dynamic
-                and o in self.base else option.pattern for o, option in enumerate(self.options.options)})
-        return attention(q, k, v, modes=self.base, scale=scaling).transpose(1, 2)
+        return self.attention(q, k, v, self.base, scaling, self._resolved(q, k, self.base)).transpose(1, 2)
 
     @torch.no_grad()
     def accumulate(self, module: nn.Module, q: Tensor, k: Tensor, v: Tensor, scaling: float | None, base: Tensor,
@@ -115,16 +107,13 @@ class _LayerEffects:
         group = self.heads // self.kv_heads
         full = base if not any(self.base) else sdpa_attention_forward(module, q, k, v, None, scaling=scaling)[0]
         full = full.float()
-        for o, option in enumerate(self.options.options[1:], start=1):
-            if option.pattern.is_dynamic:
-                resolved = option.pattern.resolve(q, k)
-                shares = tile_shares(resolved, geo).view(-1, self.kv_heads, group).mean(-1)  # [B, H_kv]
+        for o in range(1, len(self.options.options)):
+            resolved = self._resolved(q, k, [o])
+            if resolved:
+                shares = tile_shares(resolved[o], geo).view(-1, self.kv_heads, group).mean(-1)  # [B, H_kv]
                 self.sums["tiles"][self.index, :, o] += shares.sum(0).to(torch.float64)
                 self.sums["counts"][self.index, :, o] += shares.shape[0]
-                attention = self._attention(resolved)
-            else:
-                attention = self.static[o]
-            output = attention(q, k, v, scale=scaling).transpose(1, 2)
+            output = self.attention(q, k, v, [o] * self.kv_heads, scaling, resolved).transpose(1, 2)
             change = (grad * (output.float() - full)).sum(-1)  # [B, S, H]
             change = change.view(*change.shape[:2], self.kv_heads, group).sum(-1)  # [B, S, H_kv]
             self.sums["effects"][self.index, :, o] += change.sum((0, 1)).to(torch.float64)
