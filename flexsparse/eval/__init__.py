@@ -10,8 +10,10 @@ configuration), ``evaluate`` (records with quality, computed tile density and KV
 
 Calibration, with the model itself on the calibration part of real text: ``calibrate`` (which KV heads stay
 full: a ``Calibration``; also ``flexsparse.calibrate`` and ``flexsparse calibrate``), ``train_routers`` (head
-or layer routers fitted to a budget: a ``RouterFit``) and :mod:`flexsparse.eval.xa_calibration` (per-head
-XAttention thresholds that keep a target share of the true attention mass).
+or layer routers fitted to a budget: a ``RouterFit``), :mod:`flexsparse.eval.xa_calibration` (per-head
+XAttention thresholds that keep a target share of the true attention mass) and ``calibrate_frontier`` (one
+option per KV head, full, sink + window or XAttention, under a ``Budget`` of attention tiles and/or KV bytes at a
+length, with the quality-against-budget frontier; also ``flexsparse calibrate --method frontier``).
 """
 
 _EXPORTS = {
@@ -21,6 +23,7 @@ _EXPORTS = {
     "Calibration": "calibration", "calibrate": "calibration", "RouterFit": "router_fitting",
     "train_routers": "router_fitting", "GateOptions": "gates", "SearchOptions": "head_search",
     "domain_corpus": "domains", "TextModel": "text_model", "ruler_samples": "ruler",
+    "calibrate_frontier": "frontier", "FrontierResult": "frontier", "Budget": "budget",
 }
 
 

@@ -202,6 +202,11 @@ def run_calibrate(args: argparse.Namespace) -> int:
     _positive("--search-length", args.search_length, minimum=64)
     _positive("--sink", args.sink, minimum=0)
     _positive("--window", args.window)
+    if args.method == "frontier":  # its own options and checks (flexsparse.eval.frontier)
+        from flexsparse.eval.frontier import run_command
+
+        _check_text_options(args)
+        return run_command(args, _cuda(args.device))
     if not 0.0 <= args.budget <= 1.0:
         raise ValueError(f"--budget must be a fraction of KV heads in [0, 1], got {args.budget}")
     cuda = _cuda(args.device)
@@ -307,9 +312,12 @@ def add_calibrate_command(subparsers) -> None:
     parser = subparsers.add_parser(
         "calibrate", help="choose the full KV heads of a real model by a selector and save the configuration")
     parser.add_argument("--model", default=None, help="as for eval (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--method", default="retrieval", choices=["hsa", "retrieval", "entropy", "gates", "search"],
+    parser.add_argument("--method", default="retrieval",
+                        choices=["hsa", "retrieval", "entropy", "gates", "search", "frontier"],
                         help="selector (default retrieval; gates trains DuoAttention-style gates; search refines "
-                             "the gates' choice on the model's own loss)")
+                             "the gates' choice on the model's own loss; frontier chooses full, sink + window or "
+                             "XAttention per KV head under --tiles/--kv at --at tokens and writes the "
+                             "quality-against-budget frontier)")
     parser.add_argument("--budget", type=float, default=1 / 3, metavar="FRACTION_FULL",
                         help="fraction of KV heads kept full (default 1/3)")
     parser.add_argument("--global", dest="global_budget", action="store_true",
@@ -318,7 +326,9 @@ def add_calibrate_command(subparsers) -> None:
     parser.add_argument("--window", type=int, default=256, help="window of the sparse heads (default 256)")
     parser.add_argument("--length", type=int, default=None,
                         help="tokens per calibration prompt (default 2048 CUDA, 512 CPU)")
-    parser.add_argument("--samples", type=int, default=None, help="calibration prompts (default 8 CUDA, 2 CPU)")
+    parser.add_argument("--samples", type=int, default=None,
+                        help="calibration prompts (default 8 CUDA, 2 CPU; frontier: text windows, default 3 CUDA, "
+                             "1 CPU)")
     parser.add_argument("--gate-steps", type=int, default=None,
                         help="gates: training steps (default 200 CUDA, 10 CPU)")
     parser.add_argument("--search-length", type=int, default=None,
@@ -326,8 +336,24 @@ def add_calibrate_command(subparsers) -> None:
     parser.add_argument("--text", nargs="+", default=None, metavar="FILE",
                         help="calibration corpus (default: the --calibration-domain)")
     _add_calibration_domain(parser)
+    frontier = parser.add_argument_group("frontier (--method frontier)")
+    frontier.add_argument("--tiles", type=float, default=None, metavar="FRACTION",
+                          help="budget: fraction of the causal attention tiles computed at --at tokens")
+    frontier.add_argument("--kv", type=float, default=None, metavar="FRACTION",
+                          help="budget: fraction of a full KV cache's bytes kept at --at tokens")
+    frontier.add_argument("--at", type=int, default=None, metavar="TOKENS",
+                          help="the budget's length, also the calibration prompts' (default: --length)")
+    frontier.add_argument("--windows", type=int, nargs="+", default=None, metavar="W",
+                          help="sink + window options (default 128 256 512 1024 2048, those below --at)")
+    frontier.add_argument("--xa-thresholds", type=float, nargs="*", default=None, metavar="T",
+                          help="XAttention options (default 0.9 0.8; none: no XAttention)")
+    frontier.add_argument("--points", type=int, default=6, help="budget points of the frontier sweep (default 6)")
+    frontier.add_argument("--no-continuation", action="store_true",
+                          help="solve every budget from the full model's scores (faster, usually worse; default: "
+                               "re-linearise at each sweep point down to your budget)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr (bars, gate training's cost)")
-    parser.add_argument("--out", required=True, help="folder for flexsparse.json (+ calibration.json)")
+    parser.add_argument("--out", required=True,
+                        help="folder for flexsparse.json (+ calibration.json; frontier: frontier.json/csv/md/png)")
     parser.set_defaults(run=run_calibrate)

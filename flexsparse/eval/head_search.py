@@ -154,14 +154,14 @@ def _text_nll(model: nn.Module, ids: Tensor) -> tuple[float, int]:
     return total, len(targets)
 
 
-class ModelObjective:
-    """The search objective on ``model`` (see the module docstring): call it with a choice inside
-    :meth:`gates_on` (which runs the model gated)."""
+class CalibrationObjective:
+    """The search objective's prompts (see the module docstring) and its value on ``model`` as it runs now
+    (:meth:`measure`): ``windows`` ``[N, S]`` of calibration text and ``passkeys`` (batches of one prompt each,
+    labels on the answer tokens), ``weight`` the passkey term's."""
 
-    def __init__(self, model: nn.Module, tokenizer, corpus: Corpus, sparse: Pattern, options: SearchOptions,
-                 length: int, seed: int = 0) -> None:
-        device = next(model.parameters()).device
-        self.model, self.device, self.options = model, device, options
+    def __init__(self, model: nn.Module, tokenizer, corpus: Corpus, options: SearchOptions, length: int,
+                 seed: int = 0) -> None:
+        self.model, self.device, self.options = model, next(model.parameters()).device, options
         text_length = as_int("text_length", options.text_length or length, minimum=64)
         passkey_length = as_int("passkey_length", options.passkey_length or length, minimum=64)
         self.windows = corpus.windows(text_length, as_int("text_windows", options.text_windows, minimum=1),
@@ -170,21 +170,15 @@ class ModelObjective:
         prompts = as_int("passkey_prompts", options.passkey_prompts, minimum=0)
         self.passkeys = [passkey_batch(corpus, tokenizer, passkey_length, 1, rng) for _ in range(prompts)]
         self.weight = as_float("passkey_weight", options.passkey_weight, minimum=0.0)
-        layers = attention_layers(model)
-        self.logits = torch.zeros(len(layers), layer_heads(layers[0][1])[1], device=device)
-        self.sparse = sparse
         self.max_len = max(text_length, passkey_length)
         self.evaluations = 0
         self.parts: dict[str, float] = {}
-        """The last call's text NLL and passkey answer NLL (nats per token)."""
-
-    def gates_on(self):
-        """The context in which calls evaluate: the model gated by this objective's (hard) gates."""
-        return gated(self.model, self.logits, self.sparse, max(8192, self.max_len))
+        """The last measure's text NLL and passkey answer NLL (nats per token)."""
 
     @torch.no_grad()
-    def __call__(self, full: Tensor) -> float:
-        self.logits.copy_(torch.where(full, _HARD_LOGIT, -_HARD_LOGIT).to(self.device))
+    def measure(self, what: str = "the model") -> float:
+        """The objective of the model as it runs now (lower is better); ``what`` names it in the error raised
+        when the value is not finite."""
         total, count = 0.0, 0
         for window in self.windows:
             nll, tokens = _text_nll(self.model, window[None].to(self.device))
@@ -197,8 +191,28 @@ class ModelObjective:
             value += self.weight * self.parts["passkey_nll"]
         self.evaluations += 1
         if not math.isfinite(value):
-            raise RuntimeError(f"the search objective is {value} for a choice of {int(full.sum())} full heads")
+            raise RuntimeError(f"the search objective is {value} for {what}")
         return value
+
+
+class ModelObjective(CalibrationObjective):
+    """The search objective on ``model`` with KV heads gated full or ``sparse``: call it with a choice inside
+    :meth:`gates_on` (which runs the model gated)."""
+
+    def __init__(self, model: nn.Module, tokenizer, corpus: Corpus, sparse: Pattern, options: SearchOptions,
+                 length: int, seed: int = 0) -> None:
+        super().__init__(model, tokenizer, corpus, options, length, seed)
+        layers = attention_layers(model)
+        self.logits = torch.zeros(len(layers), layer_heads(layers[0][1])[1], device=self.device)
+        self.sparse = sparse
+
+    def gates_on(self):
+        """The context in which calls evaluate: the model gated by this objective's (hard) gates."""
+        return gated(self.model, self.logits, self.sparse, max(8192, self.max_len))
+
+    def __call__(self, full: Tensor) -> float:
+        self.logits.copy_(torch.where(full, _HARD_LOGIT, -_HARD_LOGIT).to(self.device))
+        return self.measure(f"a choice of {int(full.sum())} full heads")
 
 
 def search_heads(model: nn.Module, tokenizer, corpus: Corpus, start: Tensor, scores: Tensor, sparse: Pattern, *,
