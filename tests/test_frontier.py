@@ -187,6 +187,7 @@ def test_calibrate_frontier_end_to_end(tmp_path, capsys):
     (["--tiles", "0.5", "--at", "512", "--windows", "512"], "reaches every key at length 512"),
     (["--tiles", "0.5", "--at", "512", "--length", "1024"], "differ"),
     (["--tiles", "0.5", "--at", "64"], "fits in one tile"),
+    (["--kv", "0.5", "--at", "512", "--points", "1"], "--points must be >= 2"),
 ])
 def test_cli_frontier_refuses_bad_budgets_before_loading_the_model(argv, message, tmp_path, capsys):
     from flexsparse.cli import main

@@ -349,8 +349,11 @@ def add_calibrate_command(subparsers) -> None:
                           help="XAttention options (default 0.9 0.8; none: no XAttention)")
     frontier.add_argument("--points", type=int, default=6, help="budget points of the frontier sweep (default 6)")
     frontier.add_argument("--no-continuation", action="store_true",
-                          help="solve every budget from the full model's scores (faster, usually worse; default: "
-                               "re-linearise at each sweep point down to your budget)")
+                          help="solve the budgets above yours from the full model's scores (faster, usually worse; "
+                               "default: re-linearise at each of them)")
+    frontier.add_argument("--refine-rounds", type=int, default=1,
+                          help="at your budget, re-solve from the scores at its best choice while that measures "
+                               "better, at most this many times (default 1)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr (bars, gate training's cost)")

@@ -24,12 +24,14 @@ The method (:func:`calibrate_frontier`):
 3. **Frontier by continuation.** The user's budget is scaled by ``points`` factors from the cheapest the options
    reach to where the tightest limit reaches 1 (and 1, the user's own). Going down from all-full, each budget is
    solved on the current scores and its **true** objective measured: the model runs with every head on its option
-   (:func:`~flexsparse.eval.head_options.options_applied`, no conversion). Down to the user's budget, the effects
-   are then measured again with that choice as the base, and the next (smaller) budget is solved on those scores:
-   which heads matter changes as others go sparse, and each linearisation is used for a short step only. At the
-   user's budget its own choice's scores also solve it once more (a second candidate); the budgets below it use
-   those scores. On SmolLM2-135M at 1,024 tokens (KV budget 0.5) the choice from the full model's scores raised
-   the objective by 0.010, re-solved at its own scores by 0.007, and reached from the choice at KV 0.7 by 0.004.
+   (:func:`~flexsparse.eval.head_options.options_applied`, no conversion). Above the user's budget, the effects are
+   then measured again with that choice as the base and the next (smaller) budget is solved on those scores: which
+   heads matter changes as others go sparse, and each linearisation is used for a short step only. At the user's
+   budget, the scores at its own choice solve it again (``refine_rounds`` times while that measures better); the
+   budgets below it are solved on the last scores. On SmolLM2-135M at 1,024 tokens (KV budget 0.5) the choice from
+   the full model's scores raised the objective by 0.010, re-solved at its own scores by 0.007, and reached from the
+   choice at KV 0.7 by 0.004; at 1,024 tokens with the default options and a tiles budget of 0.6 (just above the
+   cheapest, 0.583), the choice from the scores at tiles 0.72 raised it by 0.405, re-solved at its own by 0.065.
 4. **Measured envelope.** Each reported point is the measured configuration of lowest objective among those that
    meet its budget, so the frontier is monotone; the user's point's configuration is the result (its
    ``flexsparse.json`` loads with :func:`flexsparse.load_config` and runs in ``flexsparse eval --config``).
@@ -40,9 +42,9 @@ text perplexity ratio to full, per-layer options), ``frontier.png`` (objective a
 with a note without matplotlib).
 
 Cost: one effects pass (a forward and backward of the calibration prompts, the options' attentions per layer from
-the captured q/k/v) at full, one more per sweep point from the first sparse one down to the user's budget
-(``continuation``), and one objective evaluation (a forward of the prompts) per distinct configuration measured
-(the full model, the sweep points, the second candidate at the user's budget). Sparse attention in these passes is
+the captured q/k/v) at full, one more per sparse sweep point above the user's budget (``continuation``) and per
+refinement round, and one objective evaluation (a forward of the prompts) per distinct configuration measured (the
+full model, the sweep points, one per refinement round). Sparse attention in these passes is
 dense (masked SDPA on the patterns' masks, no compilation): O(L^2) per head. On a CPU at 512 tokens (one text
 window, one passkey prompt) a pass costs about five forwards of a prompt, an evaluation two.
 """
@@ -117,7 +119,8 @@ class FrontierResult:
     seconds: float
     evaluations: int
     linearisations: list[dict] = field(default_factory=list)
-    """The effects passes: the scale of the budget whose choice was the base (None: the full model) and seconds."""
+    """The effects passes: the scale of the budget whose choice was the base (None: the full model), that choice's
+    objective and the seconds the pass took."""
     skipped: list[str] = field(default_factory=list)
     """Sweep budgets no choice was found for (two budgets the greedy could not meet together)."""
     measured: list[FrontierPoint] = field(default_factory=list)
@@ -276,7 +279,7 @@ def calibrate_frontier(model: nn.Module, tokenizer, budget: Budget, length: int,
                        windows: list[int] | None = None, sink: int = 64,
                        xa_thresholds: tuple[float, ...] = DEFAULT_XA_THRESHOLDS, block_size: int = 128,
                        search: SearchOptions | None = None, points: int = 6, continuation: bool = True,
-                       magnitude_weight: float = 0.1, batch_tokens: int | None = None, seed: int = 0,
+                       refine_rounds: int = 1, magnitude_weight: float = 0.1, batch_tokens: int | None = None, seed: int = 0,
                        progress: bool = False) -> FrontierResult:
     """One option per KV head of ``model`` under ``budget`` at ``length`` tokens, and the frontier around it (see
     the module docstring).
@@ -290,8 +293,11 @@ def calibrate_frontier(model: nn.Module, tokenizer, budget: Budget, length: int,
         search: the objective's prompts (text windows, passkey prompts and weight; their lengths are ``length``;
             default :class:`~flexsparse.eval.head_search.SearchOptions`).
         points: budget points of the frontier sweep (besides the user's).
-        continuation: re-linearise the scores at each point of the sweep down to the user's budget (one effects
-            pass each); False: every point from the full model's scores (faster, usually worse).
+        continuation: re-linearise the scores at each point of the sweep above the user's budget (one effects
+            pass each); False: those points from the full model's scores (faster, usually worse).
+        refine_rounds: at the user's budget, solve again from the scores at its best choice (one effects pass
+            and one evaluation each) while that measures better, at most this many times; the budgets below it
+            are solved on the last scores.
         magnitude_weight: of :meth:`~flexsparse.eval.option_effects.OptionEffects.scores`.
         batch_tokens: tokens per forward of the full model's effects pass (default 32K on CUDA, one prompt
             elsewhere; the continuation's passes, whose sparse attention is dense with its masks kept for the
@@ -303,6 +309,7 @@ def calibrate_frontier(model: nn.Module, tokenizer, budget: Budget, length: int,
     options = head_options(length, windows, sink, xa_thresholds, block_size)
     check_reachable(options, budget)
     points = as_int("points", points, minimum=2)
+    refine_rounds = as_int("refine_rounds", refine_rounds, minimum=0)
     search = SearchOptions() if search is None else search
     for name in ("text_length", "passkey_length"):
         if getattr(search, name) not in (None, length):
@@ -318,12 +325,13 @@ def calibrate_frontier(model: nn.Module, tokenizer, budget: Budget, length: int,
     choice = torch.zeros(first.base.shape, dtype=torch.long)
     measured: list[FrontierPoint] = []
     skipped: list[str] = []
-    linearisations = [{"base_scale": None, "seconds": round(time.perf_counter() - began, 3)}]
+    linearisations = [{"base_scale": None, "base_objective": None,
+                       "seconds": round(time.perf_counter() - began, 3)}]
     with options_applied(model, options, choice):
         measure = _Measured(objective, choice)
         full_objective, full_parts = measure(choice.clone())
 
-        def record(found: Tensor, scale: float, source: str) -> None:
+        def record(found: Tensor, scale: float, source: str) -> FrontierPoint:
             value, parts = measure(found)
             score = evaluate_choice(found, first.scores(magnitude_weight), costs)
             point = FrontierPoint(scale, budget.scaled(scale), found, score.costs["tiles"], score.costs["kv"],
@@ -332,6 +340,16 @@ def calibrate_frontier(model: nn.Module, tokenizer, budget: Budget, length: int,
             measured.append(point)
             say(f"frontier: {point.budget}: tiles {point.tiles:.3f}, kv {point.kv:.3f}, objective {value:.4f} "
                 f"(+{value - full_objective:.4f}) [{source}]")
+            return point
+
+        def linearised(point: FrontierPoint) -> tuple[Tensor, str]:
+            """The scores with ``point``'s choice as the base (one effects pass)."""
+            started = time.perf_counter()
+            around = option_effects(model, objective, options, base=point.choice,
+                                    batch_tokens=length if batch_tokens is None else batch_tokens)
+            linearisations.append({"base_scale": point.scale, "base_objective": point.objective,
+                                   "seconds": round(time.perf_counter() - started, 3)})
+            return around.scores(magnitude_weight), f"the choice at scale {point.scale:.3g}"
 
         scores, source = first.scores(magnitude_weight), "full"
         for scale in reversed(scales):  # from all-full down to the cheapest
@@ -342,15 +360,19 @@ def calibrate_frontier(model: nn.Module, tokenizer, budget: Budget, length: int,
                     raise
                 skipped.append(f"{budget.scaled(scale)}: {error}")  # two budgets not met together at this scale
                 continue
-            record(found, scale, f"scores at {source}")
-            if continuation and scale >= 1.0 and bool(found.any()) and scale != scales[0]:
-                started = time.perf_counter()
-                around = option_effects(model, objective, options, base=found,
-                                        batch_tokens=length if batch_tokens is None else batch_tokens)
-                scores, source = around.scores(magnitude_weight), f"scale {scale:.3g}"
-                linearisations.append({"base_scale": scale, "seconds": round(time.perf_counter() - started, 3)})
-                if scale == 1.0:  # the user's budget again, from the scores at its own choice
-                    record(solve(scores, costs, budget).options, 1.0, f"scores at {source}")
+            point = record(found, scale, f"scores at {source}")
+            if scale == 1.0:  # refine: solve again from the scores at the best choice while that measures better
+                for _ in range(refine_rounds):
+                    scores, source = linearised(point)
+                    again = solve(scores, costs, budget).options
+                    if torch.equal(again, point.choice):
+                        break
+                    candidate = record(again, 1.0, f"scores at {source}")
+                    if candidate.objective >= point.objective:
+                        break
+                    point = candidate
+            elif continuation and scale > 1.0 and bool(found.any()):
+                scores, source = linearised(point)
     frontier = _frontier(scales, budget, measured)
     chosen = next(point for point in frontier if point.scale == 1.0)
     return FrontierResult(options, budget, chosen, frontier, full_objective, full_parts,
@@ -388,6 +410,8 @@ def run_command(args: argparse.Namespace, cuda: bool) -> int:
     thresholds = DEFAULT_XA_THRESHOLDS if args.xa_thresholds is None else tuple(args.xa_thresholds)
     options = head_options(length, args.windows, args.sink, thresholds)  # checked before loading the model
     check_reachable(options, budget)
+    as_int("--points", args.points, minimum=2)
+    as_int("--refine-rounds", args.refine_rounds, minimum=0)
     search = SearchOptions() if cuda else SearchOptions(text_windows=1, passkey_prompts=1)
     if args.samples is not None:
         samples = as_int("--samples", args.samples, minimum=1)
@@ -398,7 +422,8 @@ def run_command(args: argparse.Namespace, cuda: bool) -> int:
               domain_corpus(loaded.tokenizer, getattr(args, "calibration_domain", None) or DEFAULT_CALIBRATION_DOMAIN))
     result = calibrate_frontier(loaded.model, loaded.tokenizer, budget, length, corpus=corpus,
                                 windows=args.windows, sink=args.sink, xa_thresholds=thresholds, search=search,
-                                points=args.points, continuation=not args.no_continuation, seed=args.seed,
+                                points=args.points, continuation=not args.no_continuation,
+                                refine_rounds=args.refine_rounds, seed=args.seed,
                                 progress=not args.quiet)
     print(result.table(), end="")
     for note in result.skipped:

@@ -186,8 +186,10 @@ class OptionAttention:
         used = tuple(sorted(set(row)))
         if resolved:
             attention = self._build(used, resolved)
+        elif used in self.kept:
+            attention = self.kept[used]
         else:
-            attention = self.kept.get(used) or self.kept.setdefault(used, self._build(used, {}))
+            attention = self.kept[used] = self._build(used, {})
         return attention(q, k, v, modes=[used.index(o) for o in row], scale=scale)
 
 
